@@ -1,0 +1,108 @@
+"""The ``olmoflow`` command: one verb per stage, plus ``run`` for the whole flow.
+
+    olmoflow run [CONFIG] [key=value ...]          every stage, skipping those already complete
+    olmoflow collect [CONFIG] [--data PATH ...]    one stage (likewise clean, train-tokenizer, ...)
+    olmoflow generate [CONFIG] --prompt "..."      sample from the trained model
+
+CONFIG is a YAML file or a preset name under configs/ (default: demo). Errors in the user's input
+print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from olmoflow.errors import OlmoflowError
+from olmoflow.stages import STAGES
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="olmoflow", description="The OLMo model flow, open end to end.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", nargs="?", default="demo",
+                        help="YAML config file or preset name (default: demo)")
+        sp.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. train.max_steps=200")
+        sp.add_argument("--data", action="append", metavar="PATH",
+                        help="collect from a file, directory or glob instead of the stdlib corpus")
+        sp.add_argument("--strict", action="store_true",
+                        help="malformed input lines are errors (file and line named), not skipped")
+        sp.add_argument("--run-dir", help="where the run's artifacts go (run_dir)")
+        sp.add_argument("--force", action="store_true", help="redo stages even when complete")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    common(sub.add_parser("run", help="run every stage of the flow"))
+    for stage in STAGES:
+        sp = sub.add_parser(stage.name, help=f"run the {stage.name} stage")
+        common(sp)
+        if stage.name == "generate":
+            sp.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+            sp.add_argument("--max-new-tokens", type=int)
+    return p
+
+
+def _split_config_arg(args: argparse.Namespace) -> None:
+    """``olmoflow run train.max_steps=5`` means the default preset with an override."""
+    if args.config and "=" in args.config:
+        args.overrides.insert(0, args.config)
+        args.config = "demo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    args = _parser().parse_args(argv)
+    _split_config_arg(args)
+    try:
+        from olmoflow.config import load_config
+        from olmoflow.pipeline import run_pipeline
+
+        values: dict = {}
+        if args.data:
+            values["collect.sources"] = args.data
+        if args.strict:
+            values["collect.strict"] = True
+        if args.run_dir:
+            values["run_dir"] = args.run_dir
+        if getattr(args, "prompt", None):
+            values["generate.prompts"] = args.prompt
+        if getattr(args, "max_new_tokens", None):
+            values["generate.max_new_tokens"] = args.max_new_tokens
+        cfg = load_config(args.config, args.overrides, values)
+        stages = None if args.verb == "run" else [args.verb]
+        force = args.force or (args.verb == "generate" and bool(getattr(args, "prompt", None)))
+        run_pipeline(cfg, stages=stages, progress=not args.no_progress, force=force)
+        if args.verb in ("run", "generate"):
+            _print_samples(cfg)
+    except OlmoflowError as e:
+        print(f"olmoflow: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("olmoflow: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _print_samples(cfg) -> None:
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.run_dir) / "generate" / "samples.jsonl"
+    if not path.is_file():
+        return
+    print("\nGenerated text:")
+    for line in path.read_text().splitlines():
+        s = json.loads(line)
+        print(f"--- prompt: {s['prompt']!r}\n{s['prompt']}{s['completion']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

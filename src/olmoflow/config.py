@@ -1,0 +1,286 @@
+"""Typed run configuration: YAML presets plus dotted ``key=value`` overrides.
+
+A run's config is one :class:`RunConfig` holding a dataclass per stage. It is loaded from a YAML
+file or a preset name (``demo`` means ``configs/demo.yaml``), then dotted overrides such as
+``train.max_steps=200`` are applied. Unknown keys are errors that name the closest valid key.
+The resolved config is saved with every run (``run_dir/config.yaml``) and in every manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from olmoflow.errors import OlmoflowError, closest
+from olmoflow.model.config import ModelConfig
+
+
+@dataclass
+class CollectConfig:
+    """Where documents come from.
+
+    ``sources`` entries are ``"stdlib"`` (the running Python's standard library: module sources
+    without test suites, plus the prose of ``pydoc_data.topics``) or a file, directory or glob of
+    ``.txt``, ``.jsonl`` or ``.jsonl.gz`` files. ``strict`` turns skipped malformed lines into errors.
+    """
+
+    sources: list[str] = field(default_factory=lambda: ["stdlib"])
+    text_field: str = "text"
+    strict: bool = False
+    max_documents: int | None = None
+
+
+@dataclass
+class CleanConfig:
+    """Document filters: length bounds in characters (after stripping) and exact deduplication."""
+
+    min_chars: int = 64
+    max_chars: int = 1_000_000
+    dedup: bool = True
+
+
+@dataclass
+class TokenizerConfig:
+    """Byte-level BPE training (on the ``tokenizers`` library)."""
+
+    vocab_size: int = 8192
+    min_frequency: int = 2
+    eos_token: str = "<|endoftext|>"
+    pad_token: str = "<|pad|>"
+
+
+@dataclass
+class TokenizeConfig:
+    """Token arrays and the held-out split (whole documents, chosen by a seeded hash of the id)."""
+
+    heldout_fraction: float = 0.02
+    heldout_max_documents: int = 200
+
+
+@dataclass
+class TrainConfig:
+    """Pretraining: batch sizes in instances of ``sequence_length`` tokens; lr schedule in steps."""
+
+    sequence_length: int = 256
+    global_batch_size: int = 16
+    micro_batch_size: int = 16
+    max_steps: int = 1000
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    save_interval: int = 500
+    log_interval: int = 10
+    num_threads: int | None = None
+    resume_from: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: loss, perplexity and bits-per-byte over at most ``max_tokens`` tokens."""
+
+    max_tokens: int | None = 200_000
+    batch_size: int = 8
+    sequence_length: int | None = None
+
+
+@dataclass
+class GenerateConfig:
+    """Sampling for the ``generate`` stage."""
+
+    prompts: list[str] = field(
+        default_factory=lambda: ["def fibonacci(n):", "import os\n", "class Stack:"]
+    )
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int | None = 50
+    top_p: float | None = 0.95
+    seed: int = 0
+
+
+@dataclass
+class ReleaseConfig:
+    """The release bundle's name and license, shown in the model card."""
+
+    name: str = "olmoflow-model"
+    license: str = "apache-2.0"
+
+
+@dataclass
+class RunConfig:
+    """A whole run of the flow: one section per stage, a run directory and a seed."""
+
+    run_dir: str = "runs/demo"
+    seed: int = 42
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The resolved dict of one section (used in stage fingerprints)."""
+        return dataclasses.asdict(getattr(self, name))
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += _all_keys(t, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except OlmoflowError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str | int | float):
+            value = [value]
+        if not isinstance(value, list):
+            raise OlmoflowError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, inner, key) for v in value]
+    if origin is dict or tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise OlmoflowError(f"config key '{key}' expects true/false, got {value!r}")
+    if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
+        raise OlmoflowError(f"config key '{key}' expects {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise OlmoflowError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping")
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            full = f"{prefix}{k}"
+            hint = closest(full, _all_keys(RunConfig)) or closest(k, names)
+            raise OlmoflowError(
+                f"unknown config key '{full}'" + (f"; did you mean '{hint}'?" if hint else "")
+            )
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v or {}, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise OlmoflowError(f"config override '{key}': '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key=value``; the value is parsed as YAML (``3``, ``1e-3``, ``true``, ``[a, b]``)."""
+    if "=" not in text:
+        raise OlmoflowError(f"override '{text}' is not of the form key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """Find a YAML config: an existing path, else ``configs/<name>.yaml`` (cwd first, then the repo)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    for base in (Path.cwd() / "configs", CONFIG_DIR):
+        cand = base / f"{name_or_path}.yaml"
+        if cand.is_file():
+            return cand
+    presets = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    hint = closest(p.stem, presets)
+    raise OlmoflowError(
+        f"config '{name_or_path}' not found (no such file, and not a preset"
+        + (f"; did you mean '{hint}'?)" if hint else f"; presets: {', '.join(presets)})")
+    )
+
+
+def load_config(name_or_path: str | None = "demo", overrides: list[str] | None = None,
+                values: dict[str, Any] | None = None) -> RunConfig:
+    """Load a YAML preset or file, apply dotted overrides, and return a validated RunConfig.
+
+    ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
+    Python values, applied last (what CLI flags such as ``--data`` set).
+
+    Raises:
+        OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
+            value of the wrong type.
+    """
+    tree: dict[str, Any] = {}
+    if name_or_path:
+        path = resolve_preset(name_or_path)
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        _set_dotted(tree, key, value)
+    for key, value in (values or {}).items():
+        _set_dotted(tree, key, value)
+    return _build(RunConfig, tree)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML text."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,125 @@
+"""The OLMo building blocks: RMSNorm, rotary embeddings (with YaRN) and the SwiGLU MLP.
+
+References: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE, rotate-half form as in GPT-NeoX
+and OLMo); Peng et al. 2023 (YaRN); Shazeer 2020 (SwiGLU); OLMo 2 (Team OLMo 2024) for the order of
+operations in RMSNorm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in fp32.
+
+    OLMo's order: normalise in fp32, multiply by the weight in fp32, then cast back to the input
+    dtype (Llama casts before the multiply; the two differ in bf16).
+
+    Shapes: input ``[..., size]`` -> output of the same shape and dtype.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(dtype)
+
+
+def yarn_inv_freq(
+    head_dim: int, theta: float, factor: float, original_max_length: int,
+    beta_fast: float = 32.0, beta_slow: float = 1.0,
+) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies and attention scaling (Peng et al. 2023, as in transformers).
+
+    Returns ``(inv_freq [head_dim/2] fp32, mscale)``: high-frequency dims keep their frequency,
+    low-frequency dims are interpolated by ``factor``, with a linear ramp between; cos/sin are
+    multiplied by ``mscale = 0.1 ln(factor) + 1``.
+    """
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original_max_length / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, mscale
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding tables (fp32), rotate-half convention.
+
+    ``forward(positions [B, T] or [T])`` returns ``(cos, sin)`` of shape ``[B or 1, T, head_dim]``
+    in fp32; :func:`apply_rotary` applies them to ``[B, H, T, head_dim]`` queries/keys.
+    """
+
+    def __init__(
+        self, head_dim: int, theta: float, yarn_factor: float | None = None,
+        yarn_original_max_length: int = 8192,
+    ):
+        super().__init__()
+        if yarn_factor:
+            inv_freq, self.scale = yarn_inv_freq(head_dim, theta, yarn_factor, yarn_original_max_length)
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+            self.scale = 1.0
+        # Kept out of the state dict and out of .to(dtype): the table is derived from the config
+        # and must stay fp32 even when the weights are bf16 or were built on the meta device.
+        self._inv_freq = {torch.device("cpu"): inv_freq}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        return self._inv_freq[device]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            positions = positions[None]
+        freqs = positions.float()[..., None] * self.inv_freq(positions.device)  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B|1, T, hd]``, in fp32, returning x's dtype."""
+    cos, sin = cos[:, None], sin[:, None]
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``, no biases. ``[..., d_model] -> [..., d_model]``."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -1,0 +1,230 @@
+"""The OLMo 2 / OLMo 3 decoder, readable in one sitting.
+
+Block ("reordered norm", OLMo 2): ``h = x + RMSNorm(Attn(x))``, ``out = h + RMSNorm(MLP(h))``;
+no pre-norm, one final RMSNorm before an untied LM head, no biases. OLMo 3 adds sliding-window
+attention on every layer but every 4th and the last, and YaRN on the full-attention layers.
+See Team OLMo, "2 OLMo 2 Furious" (2024) and the OLMo 3 report (2025).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from olmoflow.model.attention import Attention, KVCache, build_mask
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class OlmoOutput:
+    """``logits [B, T, V]`` (None when not asked for); the losses are scalars (None without labels).
+
+    ``loss = ce_loss + z_loss``, each already divided by the normalizer (see :meth:`Olmo.forward`).
+    """
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_coef: float, normalizer: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy on fp32 logits plus z-loss (PaLM, Chowdhery et al. 2022; OLMo uses 1e-5).
+
+    Args:
+        logits: ``[..., V]``; labels: ``[...]`` with ``IGNORE_INDEX`` for positions without a target.
+        z_loss_coef: weight of ``logsumexp(logits)**2``.
+        normalizer: divide the summed losses by this (the number of target tokens in the whole
+            global batch, for gradient accumulation); None divides by this call's target count.
+    Returns:
+        ``(loss, ce_loss, z_loss)`` scalars, ``loss = ce_loss + z_loss``.
+    """
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    valid = labels != IGNORE_INDEX
+    n = normalizer if normalizer is not None else valid.sum().clamp_min(1)
+    # One logsumexp serves both terms: ce = lse - logit[target], z = lse^2.
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.clamp_min(0)[:, None]).squeeze(-1)
+    ce = ((lse - target) * valid).sum() / n
+    z = z_loss_coef * (lse.pow(2) * valid).sum() / n if z_loss_coef else torch.zeros_like(ce)
+    return ce + z, ce, z
+
+
+class Block(nn.Module):
+    """One OLMo 2/3 transformer block (reordered norm). ``[B, T, d] -> [B, T, d]``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.window = cfg.window(layer)
+        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, self.window,
+                                   cfg.rms_norm_eps, cfg.attention_backend, cfg.dropout)
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.feed_forward = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+        self.feed_forward_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        a = self.attention(x, cos, sin, layer=self.layer, cache=cache, mask=mask)
+        h = x + F.dropout(self.attention_norm(a), self.dropout, self.training)
+        m = self.feed_forward(h)
+        return h + F.dropout(self.feed_forward_norm(m), self.dropout, self.training)
+
+
+class Olmo(nn.Module):
+    """An OLMo 2 / OLMo 3 causal language model.
+
+    ``forward(input_ids [B, T]) -> OlmoOutput`` with ``logits [B, T, vocab_size]``. Labels, when
+    given, are aligned with the inputs (``labels[:, t]`` is the target after ``input_ids[:, t]``);
+    the model does not shift them.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (> 0) before building the model")
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config.hd, config.rope_theta)
+        # OLMo 3 trained YaRN on the full-attention layers only; sliding layers keep plain RoPE.
+        self.rope_full = (
+            RotaryEmbedding(config.hd, config.rope_theta, config.yarn_factor, config.yarn_original_max_length)
+            if config.yarn_factor else self.rope
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """OLMo init: truncated normal (std ``init_std``, cut at +-3 std) for every linear and the
+        embedding; norm weights 1."""
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.trunc_normal_(m.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.weight.device
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch: int, max_length: int) -> KVCache:
+        """An empty KV cache for ``batch`` rows of up to ``max_length`` positions."""
+        c = self.config
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_length, c.hd,
+                       self.embeddings.weight.dtype, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        loss_normalizer: float | None = None,
+        last_logits_only: bool = False,
+    ) -> OlmoOutput:
+        """Run the decoder.
+
+        Args:
+            input_ids: ``[B, T]`` token ids.
+            labels: ``[B, T]`` targets aligned with the inputs, ``IGNORE_INDEX`` where none.
+            attention_mask: ``[B, start + T]`` 1 for real tokens, 0 for (left) padding, covering
+                the cached positions too; positions for RoPE count real tokens only.
+            doc_ids: ``[B, T]`` document number per position; tokens attend within their own
+                document only (intra-document masking for packed sequences).
+            cache: a :class:`KVCache` to read and extend (prefill or decode).
+            loss_normalizer: divide summed losses by this instead of this batch's target count.
+            last_logits_only: compute logits for the last position only (decoding).
+        """
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        dev = input_ids.device
+        key_padding = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()
+            if attention_mask.shape[1] == T and start:
+                raise ValueError("attention_mask must cover the cached positions too: [B, start + T]")
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
+            key_padding = attention_mask
+            if cache is not None:
+                cache.key_padding[:, : start + T] = attention_mask
+        else:
+            positions = torch.arange(start, start + T, device=dev)[None]
+            if cache is not None:
+                key_padding = cache.key_padding[:, : start + T]
+                if key_padding.all():
+                    key_padding = None
+        cos, sin = self.rope(positions)
+        cos_full, sin_full = (cos, sin) if self.rope_full is self.rope else self.rope_full(positions)
+        masks = self._masks(T, start, key_padding, doc_ids, dev)
+
+        x = self.embeddings(input_ids)
+        for block in self.blocks:
+            full = block.window is None
+            x = block(x, cos_full if full else cos, sin_full if full else sin, cache, masks[block.window])
+        if cache is not None:
+            cache.length = start + T
+        x = self.norm(x)
+        if last_logits_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)
+        if labels is None:
+            return OlmoOutput(logits)
+        loss, ce, z = lm_loss(logits, labels, self.config.z_loss, loss_normalizer)
+        return OlmoOutput(logits, loss, ce, z)
+
+    def _masks(self, T, start, key_padding, doc_ids, dev) -> dict[int | None, torch.Tensor | None]:
+        """One boolean mask per distinct window, or None where SDPA's own causal mask is exact."""
+        windows = {b.window for b in self.blocks}
+        plain = start == 0 and key_padding is None and doc_ids is None
+        q_pos = torch.arange(start, start + T, device=dev)
+        k_pos = torch.arange(start + T, device=dev)
+        out = {}
+        for w in windows:
+            if plain and (w is None or T <= w):
+                out[w] = None
+            else:
+                out[w] = build_mask(q_pos, k_pos, w, key_padding, doc_ids)
+        return out
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Sample continuations; see :func:`olmoflow.infer.generate.generate` for the arguments."""
+        from olmoflow.infer.generate import generate
+
+        return generate(self, input_ids, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> Olmo:
+        """Load a Hugging Face-format OLMo 2/3 directory (``config.json`` + safetensors).
+
+        Raises:
+            OlmoflowError: the directory or its files are missing, or the config is not OLMo 2/3.
+        """
+        from olmoflow.model.hf import load_hf_dir
+
+        return load_hf_dir(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> None:
+        """Write the model in Hugging Face format (``config.json``, ``model.safetensors``)."""
+        from olmoflow.model.hf import save_hf_dir
+
+        save_hf_dir(self, path, **kwargs)

@@ -1,0 +1,137 @@
+"""Running stages: fingerprints, skipping what is complete, manifests and the summary table.
+
+A stage's fingerprint is the sha256 of its config sections and of the manifests (outputs and their
+hashes) of the stages it reads. A stage whose directory has a manifest with the same fingerprint
+and intact outputs is skipped; otherwise its directory is cleared and it runs again. Pretraining
+is the exception: an interrupted run with the same fingerprint resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from olmoflow.artifacts import (
+    StageResult,
+    atomic_write_text,
+    is_complete,
+    now,
+    read_manifest,
+    sha256_json,
+    write_manifest,
+)
+from olmoflow.config import RunConfig, dump_config
+from olmoflow.stages import BY_NAME, RUNNERS, STAGES, stage_dir
+
+FINGERPRINT = ".fingerprint"
+
+
+def _source_stamp(sources: list[str]) -> list[Any]:
+    """Cheap identity of user sources (path, size, mtime) so edited inputs rerun collect."""
+    stamp: list[Any] = []
+    for s in sources:
+        if s == "stdlib":
+            stamp.append(["stdlib", sys.version])
+            continue
+        paths = sorted(glob.glob(s, recursive=True)) or [s]
+        for p in paths:
+            files = sorted(Path(p).rglob("*")) if Path(p).is_dir() else [Path(p)]
+            for f in files:
+                if f.is_file():
+                    st = f.stat()
+                    stamp.append([str(f), st.st_size, st.st_mtime_ns])
+    return stamp
+
+
+def fingerprint(cfg: RunConfig, name: str) -> str:
+    stage = BY_NAME[name]
+    parts: dict[str, Any] = {"stage": name}
+    for sec in stage.sections:
+        parts[sec] = cfg.section(sec) if sec != "seed" else cfg.seed
+    for up in stage.upstream:
+        m = read_manifest(stage_dir(cfg, up)) or {}
+        parts[f"upstream:{up}"] = [m.get("fingerprint"), m.get("outputs")]
+    if name == "collect":
+        parts["sources"] = _source_stamp(cfg.collect.sources)
+    return sha256_json(parts)
+
+
+def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool = False,
+              command: str = "") -> tuple[str, float, dict[str, Any]]:
+    """Run one stage unless it is complete. Returns ``(status, seconds, counts)``."""
+    out = stage_dir(cfg, name)
+    fp = fingerprint(cfg, name)
+    if not force and is_complete(out, fp):
+        return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
+    resuming = name == "pretrain" and not force and _same_fingerprint(out, fp) and (out / "latest").is_file()
+    if resuming:
+        cfg.train.resume_from = cfg.train.resume_from or "latest"
+    elif out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / FINGERPRINT, fp)
+    started, t0 = now(), time.time()
+    result: StageResult = RUNNERS[name](cfg, progress)
+    secs = time.time() - t0
+    write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
+                   fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
+                   counts=result.counts, started=started, extra={"seconds": round(secs, 2)})
+    return ("resumed" if resuming else "ran"), secs, result.counts
+
+
+def _same_fingerprint(out: Path, fp: str) -> bool:
+    try:
+        return (out / FINGERPRINT).read_text().strip() == fp
+    except OSError:
+        return False
+
+
+def _headline(name: str, counts: dict[str, Any]) -> str:
+    keys = {
+        "collect": ["documents", "bytes", "skipped_malformed", "damaged_files"],
+        "clean": ["documents", "removed_too_short", "removed_too_long", "removed_duplicate"],
+        "train-tokenizer": ["vocab_size", "bytes_per_token"],
+        "tokenize": ["train_tokens", "heldout_tokens", "train_documents", "heldout_documents"],
+        "pretrain": ["parameters", "steps", "tokens", "final_loss"],
+        "evaluate": ["loss", "perplexity", "bpb"],
+        "generate": ["samples"],
+        "release": ["files"],
+    }[name]
+    parts = []
+    for k in keys:
+        if k in counts and counts[k] is not None:
+            v = counts[k]
+            parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v:,}" if isinstance(v, int) else f"{k}={v}")
+    return ", ".join(parts)
+
+
+def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: bool = True,
+                 force: bool = False) -> list[tuple[str, str, float, dict[str, Any]]]:
+    """Run the flow (all stages, or ``stages``), printing a line per stage and a summary table."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    rows = []
+    names = stages or [s.name for s in STAGES]
+    for name in names:
+        status, secs, counts = run_stage(cfg, name, progress=progress, force=force)
+        print(f"[{name}] {status} in {secs:.1f}s: {_headline(name, counts)}", flush=True)
+        rows.append((name, status, secs, counts))
+    if len(names) > 1:
+        print_summary(rows, run_dir)
+    return rows
+
+
+def print_summary(rows, run_dir: Path) -> None:
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'stage':<{w}}  {'status':<8}  {'time':>8}  result", "-" * (w + 40)]
+    for name, status, secs, counts in rows:
+        lines.append(f"{name:<{w}}  {status:<8}  {secs:>7.1f}s  {_headline(name, counts)}")
+    total = sum(r[2] for r in rows)
+    lines.append(f"{'total':<{w}}  {'':<8}  {total:>7.1f}s  artifacts in {run_dir}{os.sep}")
+    print("\n" + "\n".join(lines), flush=True)

@@ -1,0 +1,199 @@
+"""The stages of the flow, each a function ``(cfg, run_dir, progress) -> StageResult``.
+
+A stage reads only the artifact directories of the stages before it (under ``run_dir``) and
+writes only its own. Orchestration (fingerprints, skipping, manifests) lives in
+:mod:`olmoflow.pipeline`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from olmoflow.artifacts import StageResult, atomic_write_json, atomic_write_text
+from olmoflow.config import RunConfig, dump_config
+from olmoflow.errors import OlmoflowError
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its CLI verb, its directory under run_dir, the config sections and upstream
+    stages that determine its output."""
+
+    name: str
+    dir: str
+    sections: tuple[str, ...]
+    upstream: tuple[str, ...]
+
+
+STAGES = [
+    Stage("collect", "collect", ("collect",), ()),
+    Stage("clean", "clean", ("clean",), ("collect",)),
+    Stage("train-tokenizer", "tokenizer", ("tokenizer",), ("clean",)),
+    Stage("tokenize", "tokens", ("tokenize", "seed"), ("clean", "train-tokenizer")),
+    Stage("pretrain", "pretrain", ("model", "train", "seed"), ("tokenize",)),
+    Stage("evaluate", "eval", ("evaluate",), ("pretrain",)),
+    Stage("generate", "generate", ("generate",), ("pretrain",)),
+    Stage("release", "release", ("release",), ("pretrain", "evaluate")),
+]
+BY_NAME = {s.name: s for s in STAGES}
+
+
+def stage_dir(cfg: RunConfig, name: str) -> Path:
+    return Path(cfg.run_dir) / BY_NAME[name].dir
+
+
+def need(cfg: RunConfig, name: str, filename: str) -> Path:
+    """Path of an upstream artifact, or an error telling the user which stage to run first."""
+    p = stage_dir(cfg, name) / filename
+    if not p.exists():
+        raise OlmoflowError(f"'{p}' is missing; run 'olmoflow {name}' (or 'olmoflow run') first")
+    return p
+
+
+def run_collect(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.sources import collect
+
+    return collect(cfg.collect, stage_dir(cfg, "collect"), progress=progress)
+
+
+def run_clean(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.clean import clean
+
+    docs = need(cfg, "collect", "documents.jsonl.gz")
+    return clean(cfg.clean, docs, stage_dir(cfg, "clean"), progress=progress)
+
+
+def run_train_tokenizer(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.tokenizer.train import train_tokenizer
+
+    docs = need(cfg, "clean", "documents.jsonl.gz")
+    return train_tokenizer(cfg.tokenizer, docs, stage_dir(cfg, "train-tokenizer"), progress=progress)
+
+
+def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.tokenize import tokenize
+
+    docs = need(cfg, "clean", "documents.jsonl.gz")
+    tok_dir = need(cfg, "train-tokenizer", "tokenizer.json").parent
+    return tokenize(cfg.tokenize, docs, tok_dir, stage_dir(cfg, "tokenize"), seed=cfg.seed,
+                    progress=progress)
+
+
+def load_tokenizer(cfg: RunConfig):
+    from olmoflow.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(need(cfg, "train-tokenizer", "tokenizer.json").parent)
+
+
+def token_split(cfg: RunConfig, split: str) -> tuple[list[Path], np.dtype]:
+    """The token arrays of ``split`` ("train" or "heldout") and their dtype."""
+    meta = json.loads(need(cfg, "tokenize", "meta.json").read_text())
+    paths = sorted((stage_dir(cfg, "tokenize") / split).glob("*.npy"))
+    if not paths:
+        raise OlmoflowError(f"no token arrays in '{stage_dir(cfg, 'tokenize') / split}'")
+    return paths, np.dtype(meta["dtype"])
+
+
+def build_model(cfg: RunConfig, tokenizer_vocab: int):
+    """The model of ``cfg.model`` with its vocab padded from the tokenizer's (seeded init)."""
+    from dataclasses import replace
+
+    from olmoflow.model.olmo import Olmo
+
+    mc = cfg.model
+    if mc.vocab_size <= 0:
+        mc = replace(mc, vocab_size=mc.padded_vocab_size(tokenizer_vocab))
+    elif mc.vocab_size < tokenizer_vocab:
+        raise OlmoflowError(f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's "
+                            f"vocabulary ({tokenizer_vocab})")
+    if cfg.train.sequence_length > mc.max_sequence_length:
+        raise OlmoflowError(f"train.sequence_length={cfg.train.sequence_length} exceeds "
+                            f"model.max_sequence_length={mc.max_sequence_length}")
+    torch.manual_seed(cfg.seed)
+    return Olmo(mc)
+
+
+def load_trained_model(cfg: RunConfig):
+    """The model at the final pretraining checkpoint (``pretrain/latest``)."""
+    from olmoflow.train.checkpoint import load_model, resolve_checkpoint
+
+    tok = load_tokenizer(cfg)
+    model = build_model(cfg, tok.vocab_size)
+    path = resolve_checkpoint(stage_dir(cfg, "pretrain"), "latest")
+    load_model(path, model)
+    return model.eval(), tok, path
+
+
+def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.loader import DataLoader, InstanceDataset, open_token_arrays
+    from olmoflow.train.trainer import METRICS, Trainer
+
+    out = stage_dir(cfg, "pretrain")
+    tok = load_tokenizer(cfg)
+    paths, dtype = token_split(cfg, "train")
+    dataset = InstanceDataset(open_token_arrays(paths, dtype), cfg.train.sequence_length)
+    loader = DataLoader(dataset, cfg.train.global_batch_size, seed=cfg.seed)
+    model = build_model(cfg, tok.vocab_size)
+    trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
+    summary = trainer.fit()
+    final = Path(summary["checkpoint"])
+    outputs = sorted(p for p in final.rglob("*") if p.is_file()) + [out / METRICS]
+    counts = {**summary, "parameters": model.num_params(), "instances": len(dataset),
+              "epochs": round(summary["tokens"] / max(dataset.total_tokens, 1), 3)}
+    return StageResult(inputs=paths, outputs=outputs, counts=counts)
+
+
+def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.loader import open_token_arrays
+    from olmoflow.eval.perplexity import evaluate_tokens
+
+    model, tok, ckpt = load_trained_model(cfg)
+    paths, dtype = token_split(cfg, "heldout")
+    tokens = np.concatenate([np.asarray(a) for a in open_token_arrays(paths, dtype)])
+    seq = cfg.evaluate.sequence_length or cfg.train.sequence_length
+    report = evaluate_tokens(lambda x: model(x).logits, tokens, tok.token_byte_lengths(),
+                             sequence_length=seq, batch_size=cfg.evaluate.batch_size,
+                             max_tokens=cfg.evaluate.max_tokens)
+    report = {"checkpoint": ckpt.name, "split": "heldout", "sequence_length": seq, **report}
+    out = stage_dir(cfg, "evaluate")
+    atomic_write_json(out / "report.json", report)
+    md = ["| metric | value |", "|---|---|"] + [
+        f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in report.items()
+    ]
+    atomic_write_text(out / "report.md", "# Held-out evaluation\n\n" + "\n".join(md) + "\n")
+    return StageResult(inputs=paths, outputs=[out / "report.json", out / "report.md"], counts=report)
+
+
+def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
+    model, tok, ckpt = load_trained_model(cfg)
+    g = cfg.generate
+    samples = []
+    for i, prompt in enumerate(g.prompts):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=g.max_new_tokens, do_sample=g.temperature > 0,
+                             temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                             eos_token_id=tok.eos_token_id, seed=g.seed + i)
+        samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
+    out_dir = stage_dir(cfg, "generate")
+    atomic_write_text(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+    return StageResult(inputs=[], outputs=[out_dir / "samples.jsonl"],
+                       counts={"samples": len(samples), "checkpoint": ckpt.name})
+
+
+def run_release(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.release.bundle import build_release
+
+    model, tok, ckpt = load_trained_model(cfg)
+    return build_release(cfg, model, tok, ckpt, stage_dir(cfg, "release"))
+
+
+RUNNERS = {
+    "collect": run_collect, "clean": run_clean, "train-tokenizer": run_train_tokenizer,
+    "tokenize": run_tokenize, "pretrain": run_pretrain, "evaluate": run_evaluate,
+    "generate": run_generate, "release": run_release,
+}

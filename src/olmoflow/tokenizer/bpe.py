@@ -1,0 +1,268 @@
+"""Byte-level BPE on the Hugging Face ``tokenizers`` library.
+
+The pipeline is GPT-2 style and lossless: no normalizer, a ByteLevel pre-tokenizer (no prefix space,
+GPT-2 regex) and a ByteLevel decoder, so ``decode(encode(t)) == t`` for any text. Training seeds the
+vocabulary with all 256 byte symbols, so no input is ever unknown.
+
+Special tokens in user text: like ``tokenizers`` (and ``transformers``), the literal string
+``<|endoftext|>`` inside a text is matched as the EOS token, not split into ordinary tokens. This
+keeps our ids identical to ``PreTrainedTokenizerFast`` on the saved files. Decoding such ids with
+``skip_special_tokens=False`` gives the text back.
+
+Files (the Hugging Face layout, so ``AutoTokenizer.from_pretrained(dir)`` loads them):
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from olmoflow.artifacts import atomic_write_json, atomic_write_text
+from olmoflow.errors import OlmoflowError
+from olmoflow.tokenizer.base import DEFAULT_EOS, DEFAULT_PAD, BaseTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_MAP_FILE = "special_tokens_map.json"
+
+
+class BPETokenizer(BaseTokenizer):
+    """Byte-level BPE tokenizer.
+
+    Args:
+        tokenizer: a trained ``tokenizers.Tokenizer``; None for an untrained one (call
+            :meth:`train_from_texts` or :meth:`train` before encoding).
+        vocab_size: target vocabulary size for training, the special tokens included. A small
+            corpus may yield fewer tokens (no pair left with ``min_frequency`` occurrences).
+        min_frequency: a pair is merged only if it occurs at least this often.
+        eos_token, pad_token, model_max_length: see :class:`BaseTokenizer`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer | None = None,
+        *,
+        vocab_size: int = 8192,
+        min_frequency: int = 2,
+        eos_token: str = DEFAULT_EOS,
+        pad_token: str = DEFAULT_PAD,
+        model_max_length: int = 1_000_000,
+    ) -> None:
+        super().__init__(eos_token, pad_token, model_max_length)
+        self._tok = tokenizer
+        self.train_vocab_size = vocab_size
+        self.min_frequency = min_frequency
+        self._byte_lengths: np.ndarray | None = None
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``. Raises OlmoflowError if untrained."""
+        if self._tok is None:
+            raise OlmoflowError("tokenizer is not trained; train it or use from_pretrained")
+        return self._tok
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def train_from_texts(
+        self,
+        texts: Iterable[str],
+        vocab_size: int | None = None,
+        min_frequency: int | None = None,
+        length: int | None = None,
+        progress: bool = False,
+    ) -> BPETokenizer:
+        """Train a fresh vocabulary on ``texts`` (any iterable, consumed once); returns self.
+
+        ``length`` (number of texts, if known) only drives the progress bar.
+
+        Raises:
+            OlmoflowError: ``vocab_size`` too small to hold the 256 byte symbols and the specials.
+        """
+        vocab_size = self.train_vocab_size if vocab_size is None else vocab_size
+        min_frequency = self.min_frequency if min_frequency is None else min_frequency
+        specials = [self.eos_token, self.pad_token]
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + len(specials):
+            raise OlmoflowError(
+                f"tokenizer vocab_size {vocab_size} is too small; byte-level BPE needs at least "
+                f"{len(alphabet) + len(specials)} (256 bytes + {len(specials)} special tokens)"
+            )
+        # No unk token and no normalizer: every byte has a symbol and text is kept exactly.
+        tok = _HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,  # ids 0 (EOS) and 1 (pad)
+            initial_alphabet=alphabet,
+            show_progress=progress,
+        )
+        tok.train_from_iterator(texts, trainer=trainer, length=length)
+        self._tok = tok
+        self._byte_lengths = None
+        self.train_vocab_size, self.min_frequency = vocab_size, min_frequency
+        return self
+
+    def _train(self, files: list[str]) -> None:
+        """Train on files: ``.jsonl``/``.jsonl.gz`` are read as documents (their ``text``), any
+        other file is one UTF-8 text."""
+        self.train_from_texts(_iter_file_texts(files))
+
+    # ---- hooks ----------------------------------------------------------------------------------
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], add_eos: bool = False) -> list[list[int]]:
+        """Encode many texts at once; ``tokenizers`` spreads the work over threads in Rust."""
+        encs = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        if not add_eos:
+            return [e.ids for e in encs]
+        eos = self.eos_token_id
+        return [e.ids + [eos] for e in encs]
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _vocab_size(self) -> int:
+        # max id + 1 rather than the count: added tokens may leave holes in the id range.
+        return max(self.backend.get_vocab(with_added_tokens=True).values()) + 1
+
+    def _token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def _token_byte_lengths(self) -> np.ndarray:
+        if self._byte_lengths is None:
+            self._byte_lengths = _byte_lengths(self.backend, self.vocab_size)
+        return self._byte_lengths
+
+    # ---- files ----------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> list[Path]:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
+        into ``directory`` (atomically, each); return their paths."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(d / TOKENIZER_FILE, self.backend.to_str(pretty=True))
+        special = {"eos_token": self.eos_token, "pad_token": self.pad_token}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            **special,
+            "unk_token": None,
+            "model_max_length": self.model_max_length,
+            # transformers would otherwise "clean up" spaces before punctuation on decode.
+            "clean_up_tokenization_spaces": False,
+        }
+        atomic_write_json(d / CONFIG_FILE, config)
+        atomic_write_json(d / SPECIAL_MAP_FILE, special)
+        return [d / TOKENIZER_FILE, d / CONFIG_FILE, d / SPECIAL_MAP_FILE]
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> BPETokenizer:
+        """Same as :meth:`from_pretrained`."""
+        return cls.from_pretrained(directory)
+
+    @classmethod
+    def from_pretrained(cls, path_or_dir: str | os.PathLike) -> BPETokenizer:
+        """Load a directory holding ``tokenizer.json`` (ours, or a Hugging Face model directory
+        such as an OLMo release), or a ``tokenizer.json`` file itself.
+
+        EOS and pad tokens come from ``tokenizer_config.json`` / ``special_tokens_map.json`` when
+        present, else ``<|endoftext|>`` / ``<|pad|>``; a model without a pad token pads with EOS.
+
+        Raises:
+            OlmoflowError: the path or ``tokenizer.json`` is missing or unreadable, or the EOS token
+                is not in the vocabulary.
+        """
+        p = Path(path_or_dir)
+        if not p.exists():
+            raise OlmoflowError(f"tokenizer path not found: {p}")
+        file = p / TOKENIZER_FILE if p.is_dir() else p
+        d = file.parent
+        if not file.is_file():
+            raise OlmoflowError(f"no {TOKENIZER_FILE} in tokenizer directory {d}")
+        try:
+            tok = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise OlmoflowError(f"cannot read tokenizer {file}: {first}") from None
+        config: dict[str, Any] = {}
+        for name in (SPECIAL_MAP_FILE, CONFIG_FILE):  # tokenizer_config.json wins
+            config.update(_read_json(d / name))
+        eos = _token_str(config.get("eos_token")) or DEFAULT_EOS
+        pad = _token_str(config.get("pad_token")) or DEFAULT_PAD
+        if tok.token_to_id(eos) is None:
+            raise OlmoflowError(f"eos token {eos!r} is not in the vocabulary of {file}")
+        if tok.token_to_id(pad) is None:
+            pad = eos  # common for released models without a pad token
+        max_len = config.get("model_max_length")
+        out = cls(tok, eos_token=eos, pad_token=pad)
+        if isinstance(max_len, int):
+            out.model_max_length = max_len
+        return out
+
+
+def _iter_file_texts(files: list[str]) -> Iterable[str]:
+    # Imported here so that the tokenizer does not pull in the data package on import.
+    from olmoflow.data.documents import read_documents
+
+    for f in files:
+        if f.endswith((".jsonl", ".jsonl.gz")):
+            for doc in read_documents(Path(f)):
+                yield doc["text"]
+        else:
+            yield Path(f).read_text(encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise OlmoflowError(f"cannot read {path}: {e}") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def _token_str(value: Any) -> str | None:
+    """A token from a HF config: a string, or an AddedToken dict ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _byte_lengths(tok: _HFTokenizer, vocab_size: int) -> np.ndarray:
+    """UTF-8 bytes each id stands for; 0 for special tokens (and for unused ids)."""
+    lengths = np.zeros(vocab_size, dtype=np.int32)
+    added = tok.get_added_tokens_decoder()
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    # Each char of a byte-level token is one byte (GPT-2's bytes-to-unicode map).
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    ids, tokens = [], []
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if i in added:
+            a = added[i]
+            # Non-special added tokens are matched in raw text, so their content is the text.
+            lengths[i] = 0 if a.special else len(a.content.encode("utf-8"))
+        elif byte_level:
+            lengths[i] = sum(1 if c in alphabet else len(c.encode("utf-8")) for c in token)
+        else:
+            ids.append(i)
+            tokens.append(token)
+    if ids:
+        # Not byte-level (e.g. a sentencepiece-style model): measure each token's decoded text.
+        # Approximate for byte-fallback pieces, which decode to U+FFFD on their own.
+        texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        for i, t in zip(ids, texts):
+            lengths[i] = len(t.encode("utf-8"))
+    return lengths

@@ -1,0 +1,76 @@
+"""The ``train-tokenizer`` stage: byte-level BPE trained on the clean documents' texts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from olmoflow.artifacts import StageResult
+from olmoflow.config import TokenizerConfig
+from olmoflow.data.documents import read_documents
+from olmoflow.errors import OlmoflowError
+from olmoflow.tokenizer.bpe import BPETokenizer
+
+# Compression is measured on the first documents up to this many bytes of text (in-sample: these
+# documents were also trained on; it is a sanity number, not an evaluation).
+SAMPLE_BYTES = 1 << 20
+
+
+def train_tokenizer(
+    cfg: TokenizerConfig, docs_path: Path, out_dir: Path, progress: bool = True
+) -> StageResult:
+    """Train byte-level BPE on the ``text`` of every document and save it in ``out_dir``.
+
+    Args:
+        cfg: vocab size (special tokens included), min pair frequency, EOS and pad tokens.
+        docs_path: documents (gzipped JSONL, as read by ``read_documents``).
+        out_dir: receives ``tokenizer.json``, ``tokenizer_config.json`` and
+            ``special_tokens_map.json``.
+        progress: show the trainer's progress bar.
+
+    Returns:
+        StageResult with counts ``vocab_size`` (actual; may be below ``cfg.vocab_size`` on a tiny
+        corpus), ``documents``, ``bytes`` (UTF-8 bytes of text trained on), ``sample_bytes``,
+        ``sample_tokens`` and ``bytes_per_token`` (compression on the sample).
+
+    Raises:
+        OlmoflowError: no documents, or a vocab size too small for byte-level BPE.
+    """
+    docs_path, out_dir = Path(docs_path), Path(out_dir)
+    stats = {"documents": 0, "bytes": 0}
+    sample: list[str] = []
+    sample_bytes = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal sample_bytes
+        for doc in read_documents(docs_path):
+            text = doc["text"]
+            n = len(text.encode("utf-8"))
+            stats["documents"] += 1
+            stats["bytes"] += n
+            if sample_bytes < SAMPLE_BYTES:
+                sample.append(text)
+                sample_bytes += n
+            yield text
+
+    tok = BPETokenizer(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
+    tok.train_from_texts(
+        texts(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, progress=progress
+    )
+    if stats["documents"] == 0:
+        raise OlmoflowError(f"no documents to train the tokenizer on in {docs_path}")
+    outputs = tok.save(out_dir)
+    sample_tokens = sum(len(ids) for ids in tok.encode_batch(sample))
+    counts = {
+        "vocab_size": tok.vocab_size,
+        **stats,
+        "sample_bytes": sample_bytes,
+        "sample_tokens": sample_tokens,
+        "bytes_per_token": round(sample_bytes / max(sample_tokens, 1), 4),
+    }
+    inputs = [docs_path]
+    if docs_path.is_dir():  # a directory's manifest.json changes on every run; it is not data
+        inputs = sorted(
+            p for p in docs_path.rglob("*") if p.is_file() and p.name != "manifest.json"
+        )
+    return StageResult(inputs=inputs, outputs=outputs, counts=counts)

@@ -1,0 +1,207 @@
+"""Byte-level BPE: exact round trips, save/load, HF parity, __call__ and byte lengths."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from olmoflow.errors import OlmoflowError
+from olmoflow.tokenizer import BaseTokenizer, BPETokenizer, Tokenizer
+
+WORDS = (
+    "the quick brown fox jumps over the lazy dog while a small cat sleeps near the warm fire "
+    "def main(): return 0 import os print(x) for i in range(10): if x is None: pass "
+    "café naïve résumé 東京 日本語 テキスト 😀 🎉 über straße"
+).split()
+
+
+def corpus() -> list[str]:
+    """A few KB of varied text, made deterministically."""
+    rng = np.random.default_rng(0)
+    texts = []
+    for i in range(120):
+        words = rng.choice(WORDS, size=int(rng.integers(5, 30)))
+        sep = ["\n", " ", "\t", "\r\n", "\n\n"][i % 5]
+        texts.append(sep.join(words))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tok() -> BPETokenizer:
+    return BPETokenizer().train_from_texts(corpus(), vocab_size=400, min_frequency=2)
+
+
+ROUND_TRIP = [
+    "",
+    " leading space",
+    "   three leading spaces and trailing   ",
+    "tabs\tand\t\tmore\ttabs",
+    "windows\r\nline\r\nendings\r\n",
+    "many\n\n\n\nnewlines\n",
+    "accents: café, naïve, e\u0301 (combining), Å vs A\u030a",
+    "CJK: 日本語のテキスト、中文文本，한국어",
+    "emoji: 😀🎉 family 👨\u200d👩\u200d👧\u200d👦 flag 🇫🇷 skin 👍🏽",
+    "zero width\u200bjoiner and nbsp\u00a0here",
+    "control \x00\x01\x7f chars",
+    "".join(chr(c) for c in range(1, 256)),
+    "unseen words: xylophone quixotic zephyr",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_round_trip_exact(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_specials_and_vocab(tok):
+    assert isinstance(tok, BaseTokenizer)
+    assert Tokenizer is BPETokenizer
+    assert (tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|pad|>")
+    assert (tok.eos_token_id, tok.pad_token_id) == (0, 1)
+    assert 258 < tok.vocab_size <= 400
+    assert tok.encode("the fox", add_eos=True)[-1] == tok.eos_token_id
+    assert tok.encode("", add_eos=True) == [tok.eos_token_id]
+
+
+def test_special_token_text_in_user_input(tok):
+    # Chosen behaviour (as tokenizers/transformers): the literal string maps to the EOS id.
+    text = "before<|endoftext|>after"
+    ids = tok.encode(text, add_eos=True)
+    assert ids.count(tok.eos_token_id) == 2 and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids[:-1], skip_special_tokens=False) == text
+    assert tok.decode(ids) == "beforeafter"
+
+
+def test_encode_batch_matches_encode(tok):
+    texts = ROUND_TRIP + corpus()[:10]
+    assert tok.encode_batch(texts, add_eos=True) == [tok.encode(t, add_eos=True) for t in texts]
+    assert tok.batch_decode(tok.encode_batch(texts)) == texts
+
+
+def test_training_is_deterministic(tok):
+    again = BPETokenizer().train_from_texts(corpus(), vocab_size=400, min_frequency=2)
+    assert again.backend.to_str() == tok.backend.to_str()
+
+
+def test_vocab_too_small():
+    with pytest.raises(OlmoflowError, match="too small"):
+        BPETokenizer().train_from_texts(["abc"], vocab_size=100)
+
+
+def test_untrained_errors():
+    with pytest.raises(OlmoflowError, match="not trained"):
+        BPETokenizer().encode("x")
+
+
+def test_train_from_files(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("\n".join(corpus()), encoding="utf-8")
+    t = BPETokenizer(vocab_size=300).train([f])
+    assert t.vocab_size <= 300 and t.decode(t.encode("the lazy dog\r\n")) == "the lazy dog\r\n"
+    with pytest.raises(OlmoflowError, match="not found"):
+        BPETokenizer().train([tmp_path / "missing.txt"])
+
+
+def test_save_load_identical(tok, tmp_path):
+    files = tok.save(tmp_path / "tok")
+    assert sorted(p.name for p in files) == [
+        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"
+    ]
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["bos_token"] is None and config["eos_token"] == "<|endoftext|>"
+    loaded = Tokenizer.from_pretrained(tmp_path / "tok")
+    loaded2 = BPETokenizer.load(tmp_path / "tok" / "tokenizer.json")
+    texts = ROUND_TRIP + corpus()[:5]
+    assert loaded.encode_batch(texts) == tok.encode_batch(texts)
+    assert loaded2.encode_batch(texts) == tok.encode_batch(texts)
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    assert np.array_equal(loaded.token_byte_lengths(), tok.token_byte_lengths())
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(OlmoflowError, match="not found"):
+        Tokenizer.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OlmoflowError, match="no tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(OlmoflowError, match="cannot read tokenizer") as e:
+        Tokenizer.from_pretrained(tmp_path / "bad")
+    assert "\n" not in str(e.value)
+
+
+def test_from_pretrained_hf_style_config(tok, tmp_path):
+    # A model directory whose config gives EOS as an AddedToken dict and has no pad token.
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(tok.backend.to_str())
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<|pad|>", "special": True}, "pad_token": None})
+    )
+    t = Tokenizer.from_pretrained(d)
+    assert t.eos_token == "<|pad|>" and t.eos_token_id == 1
+    assert t.pad_token == "<|pad|>"  # default <|pad|> exists in this vocab
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(OlmoflowError, match="not in the vocabulary"):
+        Tokenizer.from_pretrained(d)
+
+
+def test_call_lists_and_tensors(tok):
+    enc = tok("the fox")
+    assert enc.input_ids == tok.encode("the fox") and enc.attention_mask == [1] * len(enc.input_ids)
+    assert enc["input_ids"] == enc.input_ids
+
+    texts = ["the", "the quick brown fox jumps"]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    short, long_ = tok.encode(texts[0]), tok.encode(texts[1])
+    width = len(long_)
+    assert enc.input_ids.shape == (2, width) and enc.input_ids.dtype == torch.long
+    pad = width - len(short)
+    assert enc.input_ids[0].tolist() == [tok.pad_token_id] * pad + short  # LEFT padding
+    assert enc.attention_mask[0].tolist() == [0] * pad + [1] * len(short)
+    assert enc.attention_mask[1].tolist() == [1] * width
+    assert tok.batch_decode(enc.input_ids) == texts  # pads are special, so skipped
+
+    enc = tok("the fox", return_tensors="pt", add_eos=True)
+    assert enc.input_ids.shape == (1, len(tok.encode("the fox")) + 1)
+    assert enc.input_ids[0, -1].item() == tok.eos_token_id
+    with pytest.raises(OlmoflowError, match="padding=True"):
+        tok(texts, return_tensors="pt")
+    with pytest.raises(OlmoflowError, match="return_tensors"):
+        tok("x", return_tensors="np")
+
+
+def test_token_byte_lengths(tok):
+    lengths = tok.token_byte_lengths()
+    assert lengths.dtype == np.int32 and lengths.shape == (tok.vocab_size,)
+    assert lengths[tok.eos_token_id] == 0 and lengths[tok.pad_token_id] == 0
+    assert (np.delete(lengths, [0, 1]) >= 1).all()
+    for text in ROUND_TRIP:
+        ids = tok.encode(text)
+        assert lengths[ids].sum() == len(text.encode("utf-8"))
+    # EOS adds no bytes: bits-per-byte counts only real text.
+    assert lengths[tok.encode("café", add_eos=True)].sum() == len("café".encode())
+
+
+def test_transformers_parity(tok, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok.save(tmp_path / "tok")
+    file = str(tmp_path / "tok" / "tokenizer.json")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=file)
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert auto.eos_token == "<|endoftext|>" and auto.pad_token == "<|pad|>"
+    assert auto.eos_token_id == tok.eos_token_id and auto.pad_token_id == tok.pad_token_id
+    for text in ROUND_TRIP + ["a <|endoftext|> b", "x ."]:
+        ids = tok.encode(text)
+        assert fast(text, add_special_tokens=False)["input_ids"] == ids
+        assert auto(text, add_special_tokens=False)["input_ids"] == ids
+        assert auto.decode(ids, skip_special_tokens=False) == tok.decode(
+            ids, skip_special_tokens=False
+        )
