@@ -85,3 +85,22 @@ def test_all_masked_rows_are_finite(model):
     with torch.no_grad():
         out = model(ids, attention_mask=mask).logits
     assert torch.isfinite(out).all()
+
+
+def test_lm_loss_matches_reference_formula():
+    from olmoflow.model.olmo import IGNORE_INDEX, lm_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    labels[0, :2] = IGNORE_INDEX
+    loss, ce, z = lm_loss(logits, labels, 1e-2)
+    valid = labels != IGNORE_INDEX
+    lse = torch.logsumexp(logits, -1)[valid]
+    ref_ce = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
+    ref_z = 1e-2 * (lse**2).mean()
+    torch.testing.assert_close(ce, ref_ce)
+    torch.testing.assert_close(z, ref_z)
+    g1 = torch.autograd.grad(loss, logits)[0]
+    g2 = torch.autograd.grad(ref_ce + ref_z, logits)[0]
+    torch.testing.assert_close(g1, g2)
