@@ -80,8 +80,16 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
 
     docs = need(cfg, "clean", "documents.jsonl.gz")
     tok_dir = need(cfg, "train-tokenizer", "tokenizer.json").parent
-    return tokenize(cfg.tokenize, docs, tok_dir, stage_dir(cfg, "tokenize"), seed=cfg.seed,
-                    progress=progress)
+    result = tokenize(cfg.tokenize, docs, tok_dir, stage_dir(cfg, "tokenize"), seed=cfg.seed,
+                      progress=progress)
+    if not result.counts.get("heldout_documents"):
+        # Held-out text is chosen by whole documents; fail here, before training, not at evaluate.
+        raise OlmoflowError(
+            f"the held-out split is empty: the corpus has {result.counts.get('train_documents', 0)} "
+            "document(s) and held-out documents are whole documents; give at least 2 documents "
+            "(e.g. a directory of .txt files or a .jsonl file) or raise tokenize.heldout_fraction"
+        )
+    return result
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -154,11 +162,14 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
 
     model, tok, ckpt = load_trained_model(cfg)
     paths, dtype = token_split(cfg, "heldout")
-    tokens = np.concatenate([np.asarray(a) for a in open_token_arrays(paths, dtype)])
+    tokens = np.concatenate([np.asarray(a) for a in open_token_arrays(paths, dtype)] or [np.zeros(0)])
     seq = cfg.evaluate.sequence_length or cfg.train.sequence_length
-    report = evaluate_tokens(lambda x: model(x).logits, tokens, tok.token_byte_lengths(),
-                             sequence_length=seq, batch_size=cfg.evaluate.batch_size,
-                             max_tokens=cfg.evaluate.max_tokens)
+    try:
+        report = evaluate_tokens(lambda x: model(x).logits, tokens, tok.token_byte_lengths(),
+                                 sequence_length=seq, batch_size=cfg.evaluate.batch_size,
+                                 max_tokens=cfg.evaluate.max_tokens)
+    except ValueError as e:
+        raise OlmoflowError(f"evaluate: {e}; lower evaluate.sequence_length") from None
     report = {"checkpoint": ckpt.name, "split": "heldout", "sequence_length": seq, **report}
     out = stage_dir(cfg, "evaluate")
     atomic_write_json(out / "report.json", report)

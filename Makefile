@@ -1,0 +1,29 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   creates .venv, installs olmoflow, runs the whole flow on the demo preset
+#   make test   creates .venv, installs olmoflow with its test extras, runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean-runs
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: on these machines torch==2.13.0 is a CPU wheel on local disk; an
+	# unpinned install could pull a multi-GB CUDA build. For a GPU, see README "GPU install".
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/olmoflow run demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/demo_quality.py
+
+clean-runs:
+	rm -rf runs

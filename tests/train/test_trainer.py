@@ -1,0 +1,407 @@
+"""The pretraining loop as properties of the whole system: gradient accumulation equals one big
+batch, resume is bit-exact (losses, lr, weights, optimizer moments), the data loader visits every
+instance once per epoch in a (seed, epoch)-determined order, and the lr schedules have their shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from olmoflow.config import TrainConfig
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.errors import OlmoflowError
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.olmo import IGNORE_INDEX, Olmo
+from olmoflow.train.trainer import METRICS, Trainer
+from olmoflow.train.schedule import lr_at
+
+VOCAB = 64
+SEQ = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors run fastest on one thread (and a busy CI box makes more threads spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                max_sequence_length=64, sliding_window=None)
+    return ModelConfig(**{**base, **kw})
+
+
+def build_model(seed: int = 0, **kw) -> Olmo:
+    torch.manual_seed(seed)
+    return Olmo(tiny_model_config(**kw))
+
+
+def train_config(**kw) -> TrainConfig:
+    base = dict(sequence_length=SEQ, global_batch_size=4, micro_batch_size=2, max_steps=20,
+                lr=1e-2, warmup_steps=3, schedule="cosine", save_interval=10, log_interval=1,
+                num_threads=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def token_arrays(n_tokens: int, n_arrays: int = 3, seed: int = 0) -> list[np.ndarray]:
+    """Random token arrays of uneven sizes that add up to ``n_tokens``."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n_tokens), n_arrays - 1, replace=False))
+    tokens = rng.integers(0, VOCAB, n_tokens).astype(np.uint16)
+    return [a for a in np.split(tokens, cuts)]
+
+
+def dataset(n_instances: int, seq: int = SEQ) -> InstanceDataset:
+    """A dataset of exactly ``n_instances`` instances of ``seq + 1`` tokens."""
+    ds = InstanceDataset(token_arrays(n_instances * seq + 1), seq)
+    assert len(ds) == n_instances
+    return ds
+
+
+def read_metrics(folder: Path) -> dict[int, dict]:
+    rows = [json.loads(ln) for ln in (folder / METRICS).read_text().splitlines() if ln.strip()]
+    by_step = {r["step"]: r for r in rows}
+    assert len(by_step) == len(rows), "a step was logged twice"
+    return by_step
+
+
+# --- gradient accumulation ------------------------------------------------------------------------
+
+
+def uneven_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of 10 tokens whose labels keep 3 and 7 targets: unequal micro-batch weights."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 10), generator=g)
+    labels[0, 3:] = IGNORE_INDEX  # 3 targets
+    labels[1, :3] = IGNORE_INDEX  # 7 targets
+    assert (labels != IGNORE_INDEX).sum(1).tolist() == [3, 7]
+    return ids, labels
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_accumulation_with_global_normalizer_equals_one_batch():
+    ids, labels = uneven_batch()
+    model = build_model()
+    model(ids, labels).loss.backward()  # one batch: mean over its 10 targets
+    full = grads(model)
+
+    model.zero_grad(set_to_none=True)
+    n = int((labels != IGNORE_INDEX).sum())
+    for i in range(2):
+        model(ids[i : i + 1], labels[i : i + 1], loss_normalizer=n).loss.backward()
+    accumulated = grads(model)
+
+    model.zero_grad(set_to_none=True)
+    for i in range(2):  # the classic mistake: mean per micro-batch, averaged over micro-batches
+        (model(ids[i : i + 1], labels[i : i + 1]).loss / 2).backward()
+    naive = grads(model)
+
+    for name in full:
+        torch.testing.assert_close(accumulated[name], full[name], atol=1e-6, rtol=0, msg=name)
+    # The batch is uneven enough that per-micro-batch means give a different gradient.
+    assert max((naive[k] - full[k]).abs().max().item() for k in full) > 1e-4
+
+
+def one_trainer_step(micro_batch_size: int, tmp_path: Path, **cfg_kw):
+    ids, labels = uneven_batch()
+    model = build_model()
+    cfg = train_config(global_batch_size=2, micro_batch_size=micro_batch_size, **cfg_kw)
+    loader = DataLoader(dataset(4), 2, seed=0)  # unused by train_step; the Trainer needs one
+    trainer = Trainer(model, cfg, loader, tmp_path / f"mb{micro_batch_size}", progress=False)
+    captured = {}
+    step = trainer.optimizer.step
+
+    def capture_then_step(*a, **k):
+        captured.update(grads(model))
+        return step(*a, **k)
+
+    trainer.optimizer.step = capture_then_step
+    metrics = trainer.train_step(ids, labels)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return metrics, captured, weights
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_train_step_micro_batches_match_one_batch(tmp_path, grad_clip):
+    m1, g1, w1 = one_trainer_step(1, tmp_path, grad_clip=grad_clip)
+    m2, g2, w2 = one_trainer_step(2, tmp_path, grad_clip=grad_clip)
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert m1["ce_loss"] == pytest.approx(m2["ce_loss"], abs=1e-6)
+    assert m1["z_loss"] == pytest.approx(m2["z_loss"], abs=1e-9)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    assert set(g1) == set(g2) == set(w1)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=0, msg=name)
+    # the step really moved the weights
+    fresh = dict(build_model().named_parameters())
+    assert any(not torch.equal(fresh[n], w1[n]) for n in w1)
+
+
+def test_trainer_rejects_global_batch_not_multiple_of_micro_batch(tmp_path):
+    with pytest.raises(OlmoflowError, match="micro_batch_size"):
+        Trainer(build_model(), train_config(global_batch_size=4, micro_batch_size=3),
+                DataLoader(dataset(8), 4, seed=0), tmp_path, progress=False)
+
+
+# --- exact resume ----------------------------------------------------------------------------------
+
+
+class Crash(Exception):
+    pass
+
+
+def make_trainer(folder: Path, n_instances: int, dropout: float, **cfg_kw) -> Trainer:
+    """Fresh model, loader and trainer: what a new process would build."""
+    loader = DataLoader(dataset(n_instances), train_config(**cfg_kw).global_batch_size, seed=7)
+    model = build_model(seed=0, dropout=dropout)
+    return Trainer(model, train_config(**cfg_kw), loader, folder, config_yaml="x: 1\n",
+                   progress=False)
+
+
+def optimizer_moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    out = {}
+    for p, st in trainer.optimizer.state.items():
+        out[names[id(p)]] = {k: st[k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    assert len(out) == len(names)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_instances,dropout",
+    [
+        (27, 0.0),  # 6 batches of 4 per epoch (3 dropped): the stop falls mid-epoch
+        (27, 0.1),  # dropout: the RNG state must be restored too
+        (20, 0.0),  # 5 batches per epoch: step 10 ends epoch 1 exactly
+    ],
+    ids=["mid-epoch", "dropout", "epoch-end"],
+)
+def test_resume_is_bit_exact(tmp_path, n_instances, dropout):
+    if n_instances == 20:
+        assert 10 % DataLoader(dataset(20), 4, seed=7).batches_per_epoch == 0
+
+    straight = make_trainer(tmp_path / "straight", n_instances, dropout)
+    straight.fit()
+
+    # The interrupted run crashes while fetching the batch of step 13: its last checkpoint is
+    # step10 (save_interval=10) and its log holds steps 11 and 12, which a resume must drop.
+    first = make_trainer(tmp_path / "resumed", n_instances, dropout)
+    fetch = first.loader.next_batch
+    calls = []
+
+    def crash_at_13():
+        calls.append(1)
+        if len(calls) == 13:
+            raise Crash
+        return fetch()
+
+    first.loader.next_batch = crash_at_13
+    with pytest.raises(Crash):
+        first.fit()
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step10"
+    assert max(read_metrics(tmp_path / "resumed")) == 12
+    del first
+
+    # Perturb the global RNGs the way a fresh process would differ; resume must restore them.
+    torch.manual_seed(12345)
+    np.random.seed(12345)
+    second = make_trainer(tmp_path / "resumed", n_instances, dropout, resume_from="latest")
+    second.fit()
+
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    for step in range(11, 21):
+        assert b[step]["loss"] == a[step]["loss"], f"loss differs at step {step}"
+        assert b[step]["lr"] == a[step]["lr"], f"lr differs at step {step}"
+        assert b[step]["grad_norm"] == a[step]["grad_norm"], f"grad norm differs at step {step}"
+        assert b[step]["epoch"] == a[step]["epoch"]
+        assert b[step]["tokens"] == a[step]["tokens"]
+    for step in range(1, 21):  # and the lr is the schedule's, step by step
+        assert a[step]["lr"] == pytest.approx(straight.lr(step - 1), rel=0, abs=0)
+    assert second.step == straight.step == 20
+    assert second.tokens_seen == straight.tokens_seen
+    assert second.loader.state_dict() == straight.loader.state_dict()
+
+    sa, sb = straight.model.state_dict(), second.model.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"weight {k} differs"
+    ma, mb = optimizer_moments(straight), optimizer_moments(second)
+    for name in ma:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ma[name][k], mb[name][k]), f"{k} of {name} differs"
+
+
+def test_resume_without_checkpoint_is_user_error(tmp_path):
+    t = make_trainer(tmp_path / "empty", 27, 0.0, resume_from="latest")
+    with pytest.raises(OlmoflowError, match="no complete checkpoint"):
+        t.fit()
+
+
+def test_training_reduces_loss(tmp_path):
+    # A repeating pattern is learnable in a few steps.
+    arrays = [np.tile(np.arange(16, dtype=np.uint16), 40)]
+    loader = DataLoader(InstanceDataset(arrays, SEQ), 4, seed=0)
+    t = Trainer(build_model(), train_config(max_steps=30, lr=1e-2), loader, tmp_path,
+                progress=False)
+    summary = t.fit()
+    m = read_metrics(tmp_path)
+    assert m[30]["loss"] < 0.5 * m[1]["loss"]
+    assert summary["steps"] == 30 and Path(summary["checkpoint"]).name == "step30"
+
+
+# --- data loader -----------------------------------------------------------------------------------
+
+
+def test_instances_tile_the_token_stream():
+    arrays = token_arrays(5 * SEQ + 1)
+    ds = InstanceDataset(arrays, SEQ)
+    stream = np.concatenate(arrays).astype(np.int64)
+    assert len(ds) == 5 and ds.total_tokens == len(stream)
+    for i in range(len(ds)):
+        np.testing.assert_array_equal(ds[i], stream[i * SEQ : i * SEQ + SEQ + 1])
+    with pytest.raises(IndexError):
+        ds[5]
+
+
+def instance_index(ds: InstanceDataset) -> dict[bytes, int]:
+    index = {ds[i].tobytes(): i for i in range(len(ds))}
+    assert len(index) == len(ds), "random data should make every instance distinct"
+    return index
+
+
+def epoch_of_batches(loader: DataLoader, ds: InstanceDataset) -> list[int]:
+    index = instance_index(ds)
+    seen = []
+    for _ in range(loader.batches_per_epoch):
+        ids, labels = loader.next_batch()
+        assert ids.shape == labels.shape == (loader.batch_size, ds.sequence_length)
+        assert ids.dtype == labels.dtype == torch.long
+        assert torch.equal(ids[:, 1:], labels[:, :-1])  # labels are the inputs shifted by one
+        full = torch.cat([ids, labels[:, -1:]], dim=1).numpy()
+        seen += [index[row.tobytes()] for row in full]
+    return seen
+
+
+def test_each_epoch_sees_every_instance_exactly_once():
+    ds = dataset(24)
+    loader = DataLoader(ds, 4, seed=3)
+    e0 = epoch_of_batches(loader, ds)
+    e1 = epoch_of_batches(loader, ds)
+    assert sorted(e0) == sorted(e1) == list(range(24))
+    assert e0 != e1, "each epoch reshuffles"
+    assert loader.epoch == 1
+
+
+def test_remainder_is_dropped_per_epoch():
+    ds = dataset(26)
+    loader = DataLoader(ds, 4, seed=3)
+    assert loader.batches_per_epoch == 6
+    e0 = epoch_of_batches(loader, ds)
+    assert len(e0) == len(set(e0)) == 24
+    e1 = epoch_of_batches(loader, ds)
+    assert len(set(e1)) == 24 and loader.epoch == 1
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    ds = dataset(24)
+    a, b = DataLoader(ds, 4, seed=3), DataLoader(ds, 8, seed=3)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    o = a.order(1)
+    torch.manual_seed(99)
+    np.random.seed(99)
+    np.testing.assert_array_equal(o, b.order(1))  # nor on batch size or global RNG state
+    assert not np.array_equal(a.order(0), a.order(1))
+    assert not np.array_equal(a.order(0), DataLoader(ds, 4, seed=4).order(0))
+    # The batches follow order(epoch).
+    ids, labels = a.next_batch()
+    first = [ds[int(i)] for i in a.order(0)[:4]]
+    np.testing.assert_array_equal(ids.numpy(), np.stack(first)[:, :-1])
+
+
+def test_state_dict_resumes_the_same_sequence():
+    ds = dataset(20)
+    ref = DataLoader(ds, 4, seed=5)
+    batches = [ref.next_batch() for _ in range(13)]  # crosses two epoch boundaries (5 per epoch)
+    for cut in (0, 3, 5, 7, 10):
+        loader = DataLoader(ds, 4, seed=5)
+        for _ in range(cut):
+            loader.next_batch()
+        state = json.loads(json.dumps(loader.state_dict()))  # survives serialization
+        fresh = DataLoader(ds, 4, seed=5)
+        fresh.load_state_dict(state)
+        for i in range(cut, 13):
+            ids, labels = fresh.next_batch()
+            assert torch.equal(ids, batches[i][0]) and torch.equal(labels, batches[i][1]), (cut, i)
+
+
+def test_too_little_data_is_user_error():
+    with pytest.raises(OlmoflowError, match="fewer than one batch"):
+        DataLoader(dataset(3), 4, seed=0)
+
+
+# --- schedules ---------------------------------------------------------------------------------
+
+
+def test_warmup_is_linear():
+    for schedule in ("cosine", "linear", "wsd", "constant"):
+        lrs = [lr_at(s, lr=1.0, warmup_steps=10, max_steps=100, schedule=schedule) for s in range(10)]
+        assert lrs == pytest.approx([(s + 1) / 10 for s in range(10)])
+        assert lr_at(10, lr=1.0, warmup_steps=10, max_steps=100, schedule=schedule) == pytest.approx(1.0)
+
+
+def test_cosine_reaches_min_at_max_steps():
+    kw = dict(lr=2.0, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, schedule="cosine")
+    lrs = [lr_at(s, **kw) for s in range(10, 101)]
+    assert lrs[0] == pytest.approx(2.0)
+    assert all(x >= y for x, y in zip(lrs, lrs[1:])), "decay is monotone"
+    assert lr_at(55, **kw) == pytest.approx(0.2 + 0.5 * 1.8)  # half-way: mid-point of the cosine
+    assert lr_at(100, **kw) == pytest.approx(0.2)
+    assert lr_at(150, **kw) == pytest.approx(0.2)  # stays at the floor past the end
+    assert lr_at(99, **kw) > 0.2
+
+
+def test_linear_decays_to_floor():
+    kw = dict(lr=1.0, warmup_steps=0, max_steps=10, min_lr_ratio=0.0, schedule="linear")
+    assert [lr_at(s, **kw) for s in range(11)] == pytest.approx([1 - s / 10 for s in range(11)])
+
+
+def test_wsd_shape():
+    kw = dict(lr=1.0, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, schedule="wsd")
+    lrs = [lr_at(s, **kw) for s in range(101)]
+    assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # warmup
+    assert lrs[10:80] == pytest.approx([1.0] * 70)  # stable
+    assert lrs[80:] == pytest.approx([1.0 - 0.9 * (s - 80) / 20 for s in range(80, 101)])  # decay
+    assert lrs[100] == pytest.approx(0.1)
+
+
+def test_constant_schedule():
+    assert lr_at(500, lr=0.3, warmup_steps=10, max_steps=100, schedule="constant") == 0.3
+
+
+def test_unknown_schedule_is_user_error():
+    with pytest.raises(OlmoflowError, match="unknown train.schedule 'cosin'.*cosine"):
+        lr_at(0, lr=1.0, warmup_steps=0, max_steps=10, schedule="cosin")
+
+
+def test_schedule_values_are_finite_for_degenerate_configs():
+    for schedule in ("cosine", "linear", "wsd"):
+        for warmup, max_steps in ((0, 1), (5, 5), (10, 3)):
+            for s in range(12):
+                v = lr_at(s, lr=1.0, warmup_steps=warmup, max_steps=max_steps, schedule=schedule)
+                assert math.isfinite(v) and 0 < v <= 1.0
