@@ -201,7 +201,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for k, v in data.items():
         if k not in names:
+            # A misspelt section ("trian.max_steps=5") is named by its first full key, so the hint
+            # is "train.max_steps" rather than whichever key is closest to the section's name.
             full = f"{prefix}{k}"
+            while isinstance(v, dict) and v:
+                sub, v = next(iter(v.items()))
+                full += f".{sub}"
             hint = closest(full, _all_keys(RunConfig)) or closest(k, names)
             raise OlmoflowError(
                 f"unknown config key '{full}'" + (f"; did you mean '{hint}'?" if hint else "")

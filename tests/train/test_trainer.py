@@ -264,6 +264,13 @@ def test_training_reduces_loss(tmp_path):
     assert summary["steps"] == 30 and Path(summary["checkpoint"]).name == "step30"
 
 
+def test_log_interval_zero_logs_only_the_last_step(tmp_path):
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, log_interval=0, save_interval=0)
+    t.fit()
+    assert sorted(read_metrics(tmp_path)) == [4]
+    assert (tmp_path / "latest").read_text().strip() == "step4"
+
+
 # --- data loader -----------------------------------------------------------------------------------
 
 

@@ -92,7 +92,7 @@ class Trainer:
         if log.is_file():  # drop lines written after the checkpoint we resume from
             lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
             kept = [ln for ln in lines if json.loads(ln)["step"] <= self.step]
-            pass
+            log.write_text("".join(ln + "\n" for ln in kept))
         return path
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -143,7 +143,8 @@ class Trainer:
                 m = self.train_step(input_ids, labels)
                 window_tokens += input_ids.numel()
                 bar.update(1)
-                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                logged = cfg.log_interval > 0 and self.step % cfg.log_interval == 0
+                if logged or self.step == cfg.max_steps:
                     now = time.time()
                     m.update(step=self.step, tokens=self.tokens_seen, epoch=self.loader.epoch,
                              tokens_per_s=window_tokens / max(now - window_t, 1e-9),

@@ -1,0 +1,279 @@
+"""The ``olmoflow`` command in-process: bad input is one line on stderr and exit status 2 (never a
+traceback), malformed data is skipped and counted (or named, with --strict), and reruns skip
+complete stages but redo stages whose inputs changed or whose outputs were damaged on disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from olmoflow.cli import main
+
+
+def doc_text(i: int) -> str:
+    return f"Document number {i} talks about the weather, the sea and the ships of the harbour. " * 2
+
+
+def write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
+    data = "".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows).encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, *fragments: str) -> str:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    line = lines[0]
+    assert line.startswith("olmoflow: error: "), line
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in line, f"{f!r} not in {line!r}"
+    return line
+
+
+def manifest(run_dir: Path, stage_dir: str) -> dict:
+    return json.loads((run_dir / stage_dir / "manifest.json").read_text())
+
+
+def status_line(out: str, stage: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"[{stage}] ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A small JSONL corpus of distinct documents."""
+    return write_jsonl(tmp_path / "corpus.jsonl", [{"text": doc_text(i)} for i in range(8)])
+
+
+# --- bad input: one line, exit 2 -------------------------------------------------------------------
+
+
+def test_missing_data_path(tmp_path, capsys):
+    missing = tmp_path / "nope" / "missing.jsonl"
+    rc, _, err = cli(capsys, "collect", "tiny", "--data", str(missing), "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, str(missing), "no such file")
+
+
+def test_unknown_config_key_names_the_closest(tmp_path, capsys):
+    rc, _, err = cli(capsys, "collect", "tiny", "train.max_step=5", "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, "'train.max_step'", "'train.max_steps'")
+    assert not (tmp_path / "run").exists(), "nothing runs on a bad config"
+
+
+def test_unknown_section_and_wrong_type(tmp_path, capsys):
+    rc, _, err = cli(capsys, "collect", "tiny", "trian.max_steps=5", "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, "trian", "train.max_steps")
+    rc, _, err = cli(capsys, "collect", "tiny", "train.max_steps=lots", "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, "train.max_steps", "lots")
+
+
+def test_unknown_preset(tmp_path, capsys):
+    rc, _, err = cli(capsys, "collect", "tinyy", "--run-dir", str(tmp_path / "run"),
+                     "--no-progress")
+    assert_one_line_error(rc, err, "'tinyy'", "'tiny'")
+
+
+def test_invalid_yaml_config_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: [1,\n")
+    rc, _, err = cli(capsys, "collect", str(bad), "--run-dir", str(tmp_path / "run"),
+                     "--no-progress")
+    assert_one_line_error(rc, err, str(bad), "invalid YAML")
+
+
+def test_strict_malformed_line_names_file_and_line(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "a.jsonl", [{"text": doc_text(0)}, '{"text": "cut off\n',
+                                              {"text": doc_text(1)}])
+    rc, _, err = cli(capsys, "collect", "tiny", "--strict", "--data", str(data), "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, f"{data}:2", "malformed")
+    assert not (tmp_path / "run" / "collect" / "manifest.json").exists()
+
+
+def test_non_strict_malformed_lines_are_skipped_and_counted(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "a.jsonl", [
+        {"text": doc_text(0)}, "{not json\n", {"text": doc_text(1)}, '["a list"]\n',
+        {"no_text": 1}, {"text": doc_text(2)},
+    ])
+    run = tmp_path / "run"
+    rc, out, err = cli(capsys, "collect", "tiny", "--data", str(data), "--run-dir", str(run),
+                       "--no-progress")
+    assert rc == 0, err
+    counts = manifest(run, "collect")["counts"]
+    assert counts["documents"] == 3
+    assert counts["skipped_malformed"] == 3
+    assert "skipped_malformed=3" in status_line(out, "collect")
+
+
+def test_truncated_gzip_keeps_documents_before_the_damage(tmp_path, capsys):
+    rows = [{"id": str(i), "text": doc_text(i) + os.urandom(200).hex()} for i in range(200)]
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "damaged.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    write_jsonl(src / "fine.jsonl", [{"text": doc_text(1000)}])
+    run = tmp_path / "run"
+    rc, out, err = cli(capsys, "collect", "tiny", "collect.max_documents=null", "--data",
+                       str(src), "--run-dir", str(run), "--no-progress")
+    assert rc == 0, err
+    counts = manifest(run, "collect")["counts"]
+    assert counts["damaged_files"] == 1
+    assert 0 < counts["documents"] - 1 < 200  # some of the damaged file's documents, and fine.jsonl
+    assert "damaged_files=1" in status_line(out, "collect")
+    with gzip.open(run / "collect" / "documents.jsonl.gz", "rt") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    kept = len(texts) - 1
+    assert texts[:kept] == [r["text"] for r in rows[:kept]], "the documents before the damage, intact"
+    assert texts[-1] == doc_text(1000)
+
+
+def test_truncated_gzip_with_strict_is_an_error(tmp_path, capsys):
+    whole = gzip.compress(b"".join(json.dumps({"text": doc_text(i) + os.urandom(100).hex()}).encode()
+                                   + b"\n" for i in range(100)))
+    data = tmp_path / "damaged.jsonl.gz"
+    data.write_bytes(whole[: len(whole) // 2])
+    rc, _, err = cli(capsys, "collect", "tiny", "--strict", "--data", str(data), "--run-dir",
+                     str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, str(data))
+
+
+def test_corpus_empty_after_cleaning(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    rc, out, err = cli(capsys, "run", "tiny", "clean.min_chars=100000", "--data", str(corpus),
+                       "--run-dir", str(run), "--no-progress")
+    line = assert_one_line_error(rc, err, "empty after cleaning", "min_chars")
+    assert "8 too short" in line
+    assert "[collect] ran" in out
+    assert not (run / "clean" / "manifest.json").exists()
+    assert not (run / "tokenizer").exists(), "the flow stops at the failing stage"
+
+
+def test_stage_before_its_upstream_names_the_missing_stage(tmp_path, capsys):
+    rc, _, err = cli(capsys, "clean", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert_one_line_error(rc, err, "olmoflow collect")
+
+
+@pytest.mark.xfail(strict=True, reason="argparse stops collecting the key=value positionals at the "
+                   "first option, so overrides written after --data/--run-dir are rejected; fix: "
+                   "parse_known_args and move leftover key=value items into args.overrides")
+def test_overrides_may_follow_options(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    rc, _, err = cli(capsys, "collect", "tiny", "--data", str(corpus), "--run-dir", str(run),
+                     "--no-progress", "collect.max_documents=3")
+    assert rc == 0, err
+    assert manifest(run, "collect")["counts"]["documents"] == 3
+
+
+# --- reruns ---------------------------------------------------------------------------------------
+
+
+def test_rerun_skips_complete_stages(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+    first = manifest(run, "collect")
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] skipped")
+    assert manifest(run, "collect") == first, "a skipped stage leaves its manifest alone"
+    rc, out, _ = cli(capsys, "collect", "--force", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+
+
+def test_changed_input_content_reruns_collect(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    assert cli(capsys, "collect", *args)[0] == 0
+    write_jsonl(corpus, [{"text": doc_text(i)} for i in range(9)])
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+    assert manifest(run, "collect")["counts"]["documents"] == 9
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert status_line(out, "collect").startswith("[collect] skipped")
+
+
+def test_same_size_edit_reruns_collect(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    assert cli(capsys, "collect", *args)[0] == 0
+    data = corpus.read_bytes()
+    corpus.write_bytes(data.replace(b"weather", b"WEATHER"))  # same size, new content
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+    with gzip.open(run / "collect" / "documents.jsonl.gz", "rt") as f:
+        assert "WEATHER" in f.read()
+
+
+@pytest.mark.xfail(strict=True, reason="collect's source fingerprint is (path, size, mtime), not "
+                   "content: a same-size edit that keeps the mtime (cp -p, coarse-mtime file "
+                   "systems, edits within one timestamp tick) is not noticed")
+def test_same_size_edit_with_preserved_mtime_reruns_collect(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    assert cli(capsys, "collect", *args)[0] == 0
+    st = corpus.stat()
+    corpus.write_bytes(corpus.read_bytes().replace(b"weather", b"WEATHER"))
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert status_line(out, "collect").startswith("[collect] ran")
+
+
+def test_damaged_stage_output_makes_the_stage_rerun(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    for verb in ("collect", "clean"):
+        assert cli(capsys, verb, *args)[0] == 0
+    docs = run / "collect" / "documents.jsonl.gz"
+    good = docs.read_bytes()
+
+    docs.write_bytes(good[: len(good) // 2])  # truncated
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+    assert docs.read_bytes() == good, "collect is deterministic"
+    # The rebuilt output is byte-identical, so the downstream stage is still complete.
+    rc, out, _ = cli(capsys, "clean", *args)
+    assert status_line(out, "clean").startswith("[clean] skipped")
+
+    flipped = bytearray(good)  # same size, one byte changed
+    flipped[len(flipped) // 2] ^= 0xFF
+    docs.write_bytes(bytes(flipped))
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert rc == 0 and status_line(out, "collect").startswith("[collect] ran")
+    assert docs.read_bytes() == good
+
+    docs.unlink()  # missing
+    rc, out, _ = cli(capsys, "collect", *args)
+    assert status_line(out, "collect").startswith("[collect] ran")
+
+    (run / "clean" / "manifest.json").write_text("{ truncated")  # unreadable manifest
+    rc, out, _ = cli(capsys, "clean", *args)
+    assert rc == 0 and status_line(out, "clean").startswith("[clean] ran")
+
+
+def test_changed_config_reruns_only_affected_stages(tmp_path, capsys, corpus):
+    run = tmp_path / "run"
+    args = ("--data", str(corpus), "--run-dir", str(run), "--no-progress")
+    for verb in ("collect", "clean"):
+        assert cli(capsys, verb, "tiny", *args)[0] == 0
+    rc, out, _ = cli(capsys, "clean", "tiny", "clean.min_chars=40", *args)
+    assert rc == 0 and status_line(out, "clean").startswith("[clean] ran")
+    rc, out, _ = cli(capsys, "collect", "tiny", "clean.min_chars=40", *args)
+    assert status_line(out, "collect").startswith("[collect] skipped")
