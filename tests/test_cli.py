@@ -171,9 +171,6 @@ def test_stage_before_its_upstream_names_the_missing_stage(tmp_path, capsys):
     assert_one_line_error(rc, err, "olmoflow collect")
 
 
-@pytest.mark.xfail(strict=True, reason="argparse stops collecting the key=value positionals at the "
-                   "first option, so overrides written after --data/--run-dir are rejected; fix: "
-                   "parse_known_args and move leftover key=value items into args.overrides")
 def test_overrides_may_follow_options(tmp_path, capsys, corpus):
     run = tmp_path / "run"
     rc, _, err = cli(capsys, "collect", "tiny", "--data", str(corpus), "--run-dir", str(run),
@@ -222,9 +219,6 @@ def test_same_size_edit_reruns_collect(tmp_path, capsys, corpus):
         assert "WEATHER" in f.read()
 
 
-@pytest.mark.xfail(strict=True, reason="collect's source fingerprint is (path, size, mtime), not "
-                   "content: a same-size edit that keeps the mtime (cp -p, coarse-mtime file "
-                   "systems, edits within one timestamp tick) is not noticed")
 def test_same_size_edit_with_preserved_mtime_reruns_collect(tmp_path, capsys, corpus):
     run = tmp_path / "run"
     args = ("tiny", "--data", str(corpus), "--run-dir", str(run), "--no-progress")

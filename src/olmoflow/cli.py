@@ -59,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # parse_known_args: key=value overrides may also come after options ("--data X a.b=1").
+    args, rest = parser.parse_known_args(argv)
+    stray = [r for r in rest if "=" not in r or r.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides += rest
     _split_config_arg(args)
     try:
         from olmoflow.config import load_config

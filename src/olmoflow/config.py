@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from olmoflow.errors import OlmoflowError, closest
+from olmoflow.errors import OlmoflowError, closest, unknown_name_error
 from olmoflow.model.config import ModelConfig
 
 
@@ -84,6 +84,14 @@ class TrainConfig:
     log_interval: int = 10
     num_threads: int | None = None
     resume_from: str | None = None
+
+    def __post_init__(self) -> None:
+        from olmoflow.train.schedule import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise unknown_name_error("train.schedule", self.schedule, SCHEDULES)
+        if self.sequence_length < 1 or self.global_batch_size < 1 or self.micro_batch_size < 1:
+            raise OlmoflowError("train.sequence_length, global_batch_size and micro_batch_size must be >= 1")
 
 
 @dataclass

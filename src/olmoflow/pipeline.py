@@ -22,6 +22,7 @@ from olmoflow.artifacts import (
     is_complete,
     now,
     read_manifest,
+    sha256_file,
     sha256_json,
     write_manifest,
 )
@@ -32,7 +33,8 @@ FINGERPRINT = ".fingerprint"
 
 
 def _source_stamp(sources: list[str]) -> list[Any]:
-    """Cheap identity of user sources (path, size, mtime) so edited inputs rerun collect."""
+    """Identity of the sources: the content hash of every user file (an edit that keeps the size
+    and the modification time still reruns collect), and the Python version for the stdlib."""
     stamp: list[Any] = []
     for s in sources:
         if s == "stdlib":
@@ -43,8 +45,7 @@ def _source_stamp(sources: list[str]) -> list[Any]:
             files = sorted(Path(p).rglob("*")) if Path(p).is_dir() else [Path(p)]
             for f in files:
                 if f.is_file():
-                    st = f.stat()
-                    stamp.append([str(f), st.st_size, st.st_mtime_ns])
+                    stamp.append([str(f), sha256_file(f)])
     return stamp
 
 

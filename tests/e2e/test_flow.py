@@ -96,7 +96,9 @@ def test_release_bundle_has_every_file(release, flow):
     log = (release / "training_log.jsonl").read_text()
     assert log == (flow[0] / "pretrain" / "metrics.jsonl").read_text()
     rows = (release / "checkpoints.csv").read_text().splitlines()
-    assert rows[0] == "step,path" and [r.split(",")[0] for r in rows[1:]] == ["10", str(MAX_STEPS)]
+    assert rows[0] == "step,tokens,path,loss"
+    assert [r.split(",")[0] for r in rows[1:]] == ["10", str(MAX_STEPS)]
+    assert [r.split(",")[2] for r in rows[1:]] == ["pretrain/step10", f"pretrain/step{MAX_STEPS}"]
     assert "olmoflow-tiny" in (release / "README.md").read_text()
 
 

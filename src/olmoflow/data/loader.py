@@ -93,6 +93,12 @@ class DataLoader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position. Raises OlmoflowError if it was saved with another seed."""
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise OlmoflowError(
+                f"the checkpoint's data order was drawn with seed {state['seed']}, this run has seed "
+                f"{self.seed}; resume with the same seed"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = None
 

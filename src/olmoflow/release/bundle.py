@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from olmoflow.artifacts import (
     StageResult,
     atomic_write_json,
@@ -26,11 +28,24 @@ from olmoflow.model.hf import save_hf_dir
 DATA_STAGES = ("collect", "clean", "train-tokenizer", "tokenize")
 
 
-def _checkpoints_csv(pretrain_dir: Path) -> str:
-    rows = ["step,path"]
-    steps = sorted((p for p in pretrain_dir.glob("step*") if p.is_dir()),
+def _checkpoints_csv(run_dir: Path) -> str:
+    """A row per intermediate checkpoint: step, tokens seen, its path relative to the run
+    directory, and the training loss logged at that step (empty when that step was not logged)."""
+    pretrain = run_dir / "pretrain"
+    losses = {}
+    log = pretrain / "metrics.jsonl"
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            m = json.loads(line)
+            losses[m["step"]] = m["loss"]
+    rows = ["step,tokens,path,loss"]
+    steps = sorted((p for p in pretrain.glob("step*") if (p / "trainer_state.pt").is_file()),
                    key=lambda p: int(p.name.removeprefix("step")))
-    rows += [f"{p.name.removeprefix('step')},{p.resolve()}" for p in steps]
+    for p in steps:
+        state = torch.load(p / "trainer_state.pt", weights_only=False)
+        loss = losses.get(state["step"])
+        rows.append(f"{state['step']},{state['tokens_seen']},{p.relative_to(run_dir).as_posix()},"
+                    f"{'' if loss is None else f'{loss:.6f}'}")
     return "\n".join(rows) + "\n"
 
 
@@ -111,7 +126,7 @@ def build_release(cfg: RunConfig, model, tokenizer, checkpoint: Path, out: Path)
     data = {k: {kk: v[kk] for kk in ("fingerprint", "config", "inputs", "outputs", "counts",
                                      "started", "finished")} for k, v in data.items() if v}
     atomic_write_json(out / "data_manifest.json", data)
-    atomic_write_text(out / "checkpoints.csv", _checkpoints_csv(run_dir / "pretrain"))
+    atomic_write_text(out / "checkpoints.csv", _checkpoints_csv(run_dir))
     env = {**environment(), "olmoflow_git_commit": git_commit() or "unknown",
            "checkpoint": checkpoint.name}
     atomic_write_text(out / "environment.txt", "".join(f"{k}: {v}\n" for k, v in env.items()))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from olmoflow.artifacts import atomic_write_text
 from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
@@ -92,7 +93,7 @@ class Trainer:
         if log.is_file():  # drop lines written after the checkpoint we resume from
             lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
             kept = [ln for ln in lines if json.loads(ln)["step"] <= self.step]
-            log.write_text("".join(ln + "\n" for ln in kept))
+            atomic_write_text(log, "".join(ln + "\n" for ln in kept))
         return path
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -124,6 +125,7 @@ class Trainer:
         a resume continues exactly where the run stopped; a second Ctrl-C interrupts at once.
         """
         cfg = self.cfg
+        threads = torch.get_num_threads()
         torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
         if cfg.resume_from:
             self.resume(cfg.resume_from)
@@ -156,6 +158,7 @@ class Trainer:
                 if cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < cfg.max_steps:
                     self.save()
         finally:
+            torch.set_num_threads(threads)
             _install_sigint(previous)
             bar.close()
             log.close()
