@@ -4,6 +4,12 @@
     olmoflow collect [CONFIG] [--data PATH ...]    one stage (likewise clean, train-tokenizer, ...)
     olmoflow generate [CONFIG] --prompt "..."      sample from the trained model
 
+Tool verbs take no run config:
+
+    olmoflow model info PRESET                     shape, parameter counts and memory of a preset
+    olmoflow model list                            the model presets
+    olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face model directory
+
 CONFIG is a YAML file or a preset name under configs/ (default: demo). Errors in the user's input
 print one line and exit with status 2.
 """
@@ -45,7 +51,57 @@ def _parser() -> argparse.ArgumentParser:
         if stage.name == "generate":
             sp.add_argument("--prompt", action="append", help="a prompt (repeatable)")
             sp.add_argument("--max-new-tokens", type=int)
+    _tool_parsers(sub)
     return p
+
+
+def _tool_parsers(sub) -> None:
+    """Verbs that act on models and checkpoints rather than on a run: ``model``, ``export``."""
+    model = sub.add_parser("model", help="model presets: list, info")
+    msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    info = msub.add_parser("info", help="shape, parameters (counted on the meta device), bf16 memory")
+    info.add_argument("preset", help="a model preset, e.g. olmo3_7b (see 'olmoflow model list')")
+    info.set_defaults(tool=_model_info)
+    lst = msub.add_parser("list", help="the model presets with their parameter counts")
+    lst.set_defaults(tool=_model_list)
+
+    export = sub.add_parser("export", help="export a checkpoint to another format: hf")
+    esub = export.add_subparsers(dest="action", required=True, metavar="FORMAT")
+    hf = esub.add_parser("hf", help="a Hugging Face directory (Olmo3ForCausalLM / Olmo2ForCausalLM)")
+    hf.add_argument("checkpoint", help="a step directory (run_dir/pretrain/stepN), a checkpoint "
+                    "folder with 'latest', or a Hugging Face directory")
+    hf.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    hf.add_argument("--tokenizer", help="directory with tokenizer.json (default: the run's tokenizer/)")
+    hf.add_argument("--dtype", help="weights dtype: float32, bfloat16 or float16 (default: as stored)")
+    hf.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    hf.set_defaults(tool=_export_hf)
+
+
+TOOL_VERBS = ("model", "export")
+
+
+def _model_info(args: argparse.Namespace) -> None:
+    from olmoflow.model.presets import format_info, get_preset
+
+    print(format_info(args.preset, get_preset(args.preset)))
+
+
+def _model_list(args: argparse.Namespace) -> None:
+    from olmoflow.model.presets import PRESETS, meta_param_counts
+
+    print(f"{'preset':<12} {'params':>16} {'non-embedding':>16}")
+    for name, make in PRESETS.items():
+        c = meta_param_counts(make())
+        print(f"{name:<12} {c['total']:>16,} {c['non_embedding']:>16,}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from olmoflow.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
+                    force=args.force)
+    print(f"exported '{args.checkpoint}' to '{out}' (load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
 
 def _split_config_arg(args: argparse.Namespace) -> None:
@@ -62,32 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # parse_known_args: key=value overrides may also come after options ("--data X a.b=1").
     args, rest = parser.parse_known_args(argv)
-    stray = [r for r in rest if "=" not in r or r.startswith("-")]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides += rest
-    _split_config_arg(args)
     try:
-        from olmoflow.config import load_config
-        from olmoflow.pipeline import run_pipeline
-
-        values: dict = {}
-        if args.data:
-            values["collect.sources"] = args.data
-        if args.strict:
-            values["collect.strict"] = True
-        if args.run_dir:
-            values["run_dir"] = args.run_dir
-        if getattr(args, "prompt", None):
-            values["generate.prompts"] = args.prompt
-        if getattr(args, "max_new_tokens", None):
-            values["generate.max_new_tokens"] = args.max_new_tokens
-        cfg = load_config(args.config, args.overrides, values)
-        stages = None if args.verb == "run" else [args.verb]
-        force = args.force or (args.verb == "generate" and bool(getattr(args, "prompt", None)))
-        run_pipeline(cfg, stages=stages, progress=not args.no_progress, force=force)
-        if args.verb in ("run", "generate"):
-            _print_samples(cfg)
+        if args.verb in TOOL_VERBS:
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            args.tool(args)
+        else:
+            _run_pipeline_verb(parser, args, rest)
     except OlmoflowError as e:
         print(f"olmoflow: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -95,6 +132,36 @@ def main(argv: list[str] | None = None) -> int:
         print("olmoflow: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       rest: list[str]) -> None:
+    """``run`` or one stage: load the run config (preset + overrides + flags) and run it."""
+    stray = [r for r in rest if "=" not in r or r.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides += rest
+    _split_config_arg(args)
+    from olmoflow.config import load_config
+    from olmoflow.pipeline import run_pipeline
+
+    values: dict = {}
+    if args.data:
+        values["collect.sources"] = args.data
+    if args.strict:
+        values["collect.strict"] = True
+    if args.run_dir:
+        values["run_dir"] = args.run_dir
+    if getattr(args, "prompt", None):
+        values["generate.prompts"] = args.prompt
+    if getattr(args, "max_new_tokens", None):
+        values["generate.max_new_tokens"] = args.max_new_tokens
+    cfg = load_config(args.config, args.overrides, values)
+    stages = None if args.verb == "run" else [args.verb]
+    force = args.force or (args.verb == "generate" and bool(getattr(args, "prompt", None)))
+    run_pipeline(cfg, stages=stages, progress=not args.no_progress, force=force)
+    if args.verb in ("run", "generate"):
+        _print_samples(cfg)
 
 
 def _print_samples(cfg) -> None:

@@ -47,8 +47,11 @@ class CleanConfig:
 
 @dataclass
 class TokenizerConfig:
-    """Byte-level BPE training (on the ``tokenizers`` library)."""
+    """Tokenizer training. ``implementation`` is ``"bpe"`` (byte-level BPE on the ``tokenizers``
+    library) or ``"package.module:ClassName"``, a :class:`~olmoflow.tokenizer.BaseTokenizer`
+    subclass of your own, constructed with ``eos_token`` and ``pad_token``."""
 
+    implementation: str = "bpe"
     vocab_size: int = 8192
     min_frequency: int = 2
     eos_token: str = "<|endoftext|>"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmoflow.artifacts import StageResult, atomic_write_json, atomic_write_text
+from olmoflow.artifacts import MANIFEST, StageResult, atomic_write_json, atomic_write_text
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.errors import OlmoflowError
 
@@ -79,9 +79,9 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.data.tokenize import tokenize
 
     docs = need(cfg, "clean", "documents.jsonl.gz")
-    tok_dir = need(cfg, "train-tokenizer", "tokenizer.json").parent
+    tok_dir = need(cfg, "train-tokenizer", MANIFEST).parent
     result = tokenize(cfg.tokenize, docs, tok_dir, stage_dir(cfg, "tokenize"), seed=cfg.seed,
-                      progress=progress)
+                      progress=progress, tokenizer=load_tokenizer(cfg))
     if not result.counts.get("heldout_documents"):
         # Held-out text is chosen by whole documents; fail here, before training, not at evaluate.
         raise OlmoflowError(
@@ -93,9 +93,10 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
 
 
 def load_tokenizer(cfg: RunConfig):
-    from olmoflow.tokenizer import Tokenizer
+    """The run's trained tokenizer, of the class ``tokenizer.implementation`` names."""
+    from olmoflow.tokenizer import tokenizer_class
 
-    return Tokenizer.from_pretrained(need(cfg, "train-tokenizer", "tokenizer.json").parent)
+    return tokenizer_class(cfg.tokenizer.implementation).load(need(cfg, "train-tokenizer", MANIFEST).parent)
 
 
 def token_split(cfg: RunConfig, split: str) -> tuple[list[Path], np.dtype]:
@@ -188,7 +189,8 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
         ids = tok(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=g.max_new_tokens, do_sample=g.temperature > 0,
                              temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                             eos_token_id=tok.eos_token_id, seed=g.seed + i)
+                             eos_token_id=tok.eos_token_id, seed=g.seed + i,
+                             vocab_size=tok.vocab_size)
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, "generate")
     atomic_write_text(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))

@@ -18,15 +18,19 @@ def model():
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_decode_equals_full_forward(model, backend):
-    for b in model.blocks:
-        b.attention.backend = backend
     ids = torch.randint(0, 97, (2, 40))  # well past the sliding window of 8
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = model.new_cache(2, 40)
-        parts = [model(ids[:, :11], cache=cache).logits]
-        for t in range(11, 40):
-            parts.append(model(ids[:, t : t + 1], cache=cache).logits)
+    try:
+        for b in model.blocks:
+            b.attention.backend = backend
+        with torch.no_grad():
+            full = model(ids).logits
+            cache = model.new_cache(2, 40)
+            parts = [model(ids[:, :11], cache=cache).logits]
+            for t in range(11, 40):
+                parts.append(model(ids[:, t : t + 1], cache=cache).logits)
+    finally:
+        for b in model.blocks:
+            b.attention.backend = "sdpa"
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -104,3 +108,17 @@ def test_lm_loss_matches_reference_formula():
     g1 = torch.autograd.grad(loss, logits)[0]
     g2 = torch.autograd.grad(ref_ce + ref_z, logits)[0]
     torch.testing.assert_close(g1, g2)
+
+
+def test_padded_vocab_rows_are_never_generated(model):
+    ids = torch.randint(0, 97, (2, 5))
+    with torch.no_grad():  # make the padding rows the most likely tokens
+        model.lm_head.weight[90:] += 5.0
+    try:
+        free = generate(model, ids, max_new_tokens=20)
+        assert (free[:, 5:] >= 90).any()
+        limited = generate(model, ids, max_new_tokens=20, vocab_size=90, do_sample=True, seed=0)
+        assert (limited[:, 5:] < 90).all()
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[90:] -= 5.0

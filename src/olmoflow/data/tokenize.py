@@ -33,7 +33,7 @@ from olmoflow.artifacts import StageResult, atomic_open, atomic_write_json
 from olmoflow.config import TokenizeConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
-from olmoflow.tokenizer import Tokenizer
+from olmoflow.tokenizer import BaseTokenizer, Tokenizer
 
 SPLITS = ("train", "heldout")
 PART = "part-00000"
@@ -78,10 +78,12 @@ def tokenize(
     out_dir: Path,
     seed: int,
     progress: bool = True,
+    tokenizer: BaseTokenizer | None = None,
 ) -> StageResult:
     """Tokenize every document into ``out_dir/{train,heldout}`` (see the module docstring).
 
     Reads the documents twice: once to choose the held-out split, once to tokenize.
+    ``tokenizer`` is the loaded tokenizer of ``tokenizer_dir`` when it is not the default BPE.
 
     Returns:
         StageResult; counts ``dtype``, ``vocab_size`` and ``{split}_tokens``, ``{split}_documents``,
@@ -95,7 +97,7 @@ def tokenize(
         raise OlmoflowError(
             f"tokenize.heldout_fraction must be in [0, 1], got {cfg.heldout_fraction}"
         )
-    tok = Tokenizer.from_pretrained(tokenizer_dir)
+    tok = tokenizer if tokenizer is not None else Tokenizer.from_pretrained(tokenizer_dir)
     dtype = token_dtype(tok.vocab_size)
     eos = tok.eos_token_id
 
@@ -156,9 +158,10 @@ def tokenize(
     for s in SPLITS:
         counts.update({f"{s}_{k}": v for k, v in stats[s].items()})
     outputs = [p for s in SPLITS for p in paths[s]] + [out_dir / META]
-    tok_file = Path(tokenizer_dir)
-    tok_file = tok_file / "tokenizer.json" if tok_file.is_dir() else tok_file
-    inputs = _files(docs_path) + [tok_file]
+    tok_dir = Path(tokenizer_dir)
+    tok_files = [p for p in sorted(tok_dir.iterdir()) if p.is_file() and p.name != "manifest.json"
+                 and not p.name.startswith(".")] if tok_dir.is_dir() else [tok_dir]
+    inputs = _files(docs_path) + tok_files
     return StageResult(inputs=inputs, outputs=outputs, counts=counts)
 
 

@@ -1,10 +1,21 @@
-"""Text generation with a KV cache: greedy decoding and sampling (temperature, top-k, top-p).
+"""Text generation with a KV cache: greedy decoding and sampling (temperature, top-k, top-p),
+a CTRL repetition penalty, EOS and stop strings, and a per-token hook for streaming.
 
 Top-p follows Holtzman et al. 2020 ("nucleus sampling"): keep the smallest set of most likely
 tokens whose probability mass reaches ``top_p``; the token that crosses the threshold is kept.
+The repetition penalty follows Keskar et al. 2019 (CTRL) as in ``transformers``'
+``RepetitionPenaltyLogitsProcessor``. Stop strings keep the stop string in the output, as
+``transformers``' ``stop_strings`` does.
+
+The decode loop is kept lean for batch-1 latency: it runs under ``torch.inference_mode``, writes
+tokens into one preallocated ``[B, T + n]`` tensor, and passes no attention mask at all when there
+is no padding (no per-step mask concatenation, no cumulative-sum positions).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +35,14 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int | None, top_p: float | N
     return logits
 
 
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL repetition penalty. ``logits [B, V]``, ``seen [B, V]`` bool (token already in the
+    prompt or the continuation) -> ``[B, V]``: seen logits > 0 are divided by ``penalty``, < 0
+    multiplied by it (so ``penalty > 1`` always makes a seen token less likely)."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
 def sample_next(
     logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int | None,
     top_p: float | None, generator: torch.Generator | None,
@@ -36,7 +55,147 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+def _new_tokens(T: int, max_length: int | None, max_new_tokens: int | None) -> int:
+    if max_new_tokens is None:
+        if max_length is None:
+            return 20
+        if max_length < T:
+            raise ValueError(
+                f"max_length={max_length} is shorter than the prompt ({T} tokens); "
+                "max_length counts the prompt, use max_new_tokens to count new tokens only"
+            )
+        return max_length - T
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    return max_new_tokens
+
+
+def iter_tokens(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    max_length: int | None = None,
+    max_new_tokens: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    stop_strings: Sequence[str] | None = None,
+    tokenizer: Any = None,
+    seed: int | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """Like :func:`generate`, but an iterator over the new tokens: one ``[B]`` long tensor per step.
+
+    Arguments are checked eagerly (the errors of :func:`generate` are raised by this call, not by
+    the first ``next``). The model is put in eval mode while iterating and restored afterwards.
+    """
+    B, T = input_ids.shape
+    n_new = _new_tokens(T, max_length, max_new_tokens)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    stops = [s for s in (stop_strings or []) if s]
+    if stops and tokenizer is None:
+        raise ValueError("stop_strings need tokenizer= to decode the continuation")
+    fill = pad_token_id if pad_token_id is not None else eos_token_id
+    if stops and B > 1 and fill is None:
+        raise ValueError("stop_strings on a batch need pad_token_id (or eos_token_id) to fill rows "
+                         "that stopped")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if vocab_size is None and tokenizer is not None and hasattr(tokenizer, "vocab_size"):
+        vocab_size = tokenizer.vocab_size
+    return _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
+                   repetition_penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size)
+
+
+def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
+            penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size) -> Iterator[torch.Tensor]:
+    if n_new == 0:
+        return
+    B, T = input_ids.shape
+    device = input_ids.device
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    # One mask for the whole run, sliced per step (a view: no per-step concatenation); None when
+    # nothing is padded, which lets the model skip positions-from-mask and padding masks.
+    full_mask = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        full_mask = torch.ones(B, T + n_new, dtype=torch.bool, device=device)
+        full_mask[:, :T] = attention_mask.bool()
+    stop_window = max((len(s.encode()) for s in stops), default=0) + 2  # tokens; each >= 1 byte
+    generated: list[list[int]] = [[] for _ in range(B)]
+    check_done = eos_token_id is not None or bool(stops)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    seen = None
+    was_training = model.training
+    cache = None
+
+    @torch.inference_mode()
+    def step(i: int, nxt: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        # Inference mode only around the compute: it must not leak to the caller between yields.
+        nonlocal cache, seen
+        if nxt is None:
+            cache = model.new_cache(B, T + n_new)
+            mask = full_mask[:, :T] if full_mask is not None else None
+            logits = model(input_ids, attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
+            if penalty != 1.0:
+                real = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).int()
+                counts = torch.zeros(B, logits.shape[-1], dtype=torch.int32, device=device)
+                seen = counts.scatter_add_(1, input_ids, real) > 0
+        else:
+            if seen is not None:
+                seen.scatter_(1, nxt[:, None], True)
+            mask = full_mask[:, : T + i] if full_mask is not None else None
+            logits = model(nxt[:, None], attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits[:, vocab_size:] = float("-inf")
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen, penalty)
+        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                          top_p=top_p, generator=generator)
+        if not check_done:
+            return nxt, False
+        if fill is not None:
+            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
+        if eos_token_id is not None:
+            done.logical_or_(nxt == eos_token_id)
+        if stops:
+            done.logical_or_(_hit_stop(nxt, done, generated, stops, stop_window, tokenizer))
+        return nxt, bool(done.all())
+
+    model.eval()
+    try:
+        nxt = None
+        for i in range(n_new):
+            nxt, all_done = step(i, nxt)
+            yield nxt
+            if all_done:
+                break
+    finally:
+        model.train(was_training)
+
+
+def _hit_stop(nxt, done, generated, stops, window, tokenizer) -> torch.Tensor:
+    """Rows whose continuation now contains a stop string. A match must involve the newest token
+    (else an earlier step would have stopped), so only the last ``window`` tokens are decoded."""
+    hit = torch.zeros_like(done)
+    for row, (tok, finished) in enumerate(zip(nxt.tolist(), done.tolist())):
+        if finished:
+            continue
+        generated[row].append(tok)
+        tail = tokenizer.decode(generated[row][-window:], skip_special_tokens=True)
+        if any(s in tail for s in stops):
+            hit[row] = True
+    return hit
+
+
 def generate(
     model,
     input_ids: torch.Tensor,
@@ -48,9 +207,14 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float = 1.0,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    stop_strings: Sequence[str] | None = None,
+    tokenizer: Any = None,
     seed: int | None = None,
+    streamer: Any = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Continue ``input_ids [B, T]`` and return ``[B, T + n]`` (prompt included), as in HF.
 
@@ -59,54 +223,43 @@ def generate(
             precedence when both are given). Neither: 20 new tokens.
         attention_mask: ``[B, T]``, 0 on left padding (batched prompts of different lengths).
         do_sample: sample instead of greedy argmax; temperature/top_k/top_p shape the sampling.
+        repetition_penalty: CTRL penalty (``transformers``' ``RepetitionPenaltyLogitsProcessor``)
+            on every token already in the prompt (padding excluded) or the continuation; applied
+            before temperature/top-k/top-p and to greedy decoding too. 1.0 = off; ~1.2 is common.
         eos_token_id: a row stops after emitting it; finished rows are filled with
             ``pad_token_id`` (or EOS) until every row is done.
+        stop_strings: a row stops once the text of its continuation (``tokenizer.decode`` of the
+            new ids, special tokens skipped) contains one of them. The stop string is KEPT in the
+            output (the tokens up to and including the one completing it), as in ``transformers``;
+            trim it from the decoded text yourself if unwanted.
+        tokenizer: anything with ``decode(ids, skip_special_tokens=...)``; needed by stop_strings.
         seed: seeds a private generator so sampling is reproducible.
+        vocab_size: never emit ids at or above it. The embedding is padded past the tokenizer's
+            vocabulary (to a multiple of 128, as OLMo does); those rows are never trained, so a
+            barely trained model can pick them. Defaults to the vocabulary of ``tokenizer``.
+        streamer: an object with ``put(tokens [B])`` called with each new step's tokens and
+            ``end()`` called once at the end (e.g. :class:`olmoflow.infer.streaming.TextStreamer`).
     Raises:
-        ValueError: ``max_length`` shorter than the prompt, non-positive ``max_new_tokens``, or a
-            temperature < 0.
+        ValueError: ``max_length`` shorter than the prompt, negative ``max_new_tokens``, a
+            temperature < 0, a repetition_penalty <= 0, stop_strings without a tokenizer (or, on a
+            batch, without a pad/EOS id to fill finished rows).
     """
+    steps = iter_tokens(
+        model, input_ids, max_length=max_length, max_new_tokens=max_new_tokens,
+        attention_mask=attention_mask, do_sample=do_sample, temperature=temperature, top_k=top_k,
+        top_p=top_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, stop_strings=stop_strings, tokenizer=tokenizer, seed=seed,
+        vocab_size=vocab_size,
+    )
     B, T = input_ids.shape
-    if max_new_tokens is None:
-        if max_length is not None:
-            if max_length < T:
-                raise ValueError(
-                    f"max_length={max_length} is shorter than the prompt ({T} tokens); "
-                    "max_length counts the prompt, use max_new_tokens to count new tokens only"
-                )
-            max_new_tokens = max_length - T
-        else:
-            max_new_tokens = 20
-    elif max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if max_new_tokens == 0:
-        return input_ids
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    device = input_ids.device
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cache = model.new_cache(B, T + max_new_tokens)
-    out = model(input_ids, attention_mask=attention_mask, cache=cache, last_logits_only=True)
-    tokens = [input_ids]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    fill = pad_token_id if pad_token_id is not None else eos_token_id
-    for step in range(max_new_tokens):
-        nxt = sample_next(out.logits[:, -1], do_sample=do_sample, temperature=temperature,
-                          top_k=top_k, top_p=top_p, generator=generator)
-        if eos_token_id is not None:
-            if fill is not None:
-                nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-            done |= nxt == eos_token_id
-        tokens.append(nxt[:, None])
-        if (eos_token_id is not None and done.all()) or step == max_new_tokens - 1:
-            break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(nxt[:, None])], dim=1)
-        out = model(nxt[:, None], attention_mask=attention_mask, cache=cache, last_logits_only=True)
-    model.train(was_training)
-    return torch.cat(tokens, dim=1)
+    n_new = _new_tokens(T, max_length, max_new_tokens)
+    out = torch.empty(B, T + n_new, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :T] = input_ids
+    n = 0
+    for n, nxt in enumerate(steps, start=1):
+        out[:, T + n - 1] = nxt
+        if streamer is not None:
+            streamer.put(nxt)
+    if streamer is not None:
+        streamer.end()
+    return out[:, : T + n]

@@ -1,12 +1,34 @@
 """Multi-head attention for OLMo 2/3: QK-norm over the full projected width, RoPE, GQA, sliding
-windows, a KV cache for decoding, and two backends (``sdpa`` and ``eager``).
+windows, a KV cache for decoding (dynamic or static-shape), and pluggable attention backends.
 
-Masking rule, shared by every path: query at absolute position ``i`` sees key ``j`` when
-``j <= i``, ``i - j < window`` (sliding layers) and key ``j`` is not padding. A query always sees
-itself, so a padded row never has every key masked (no NaN).
+Masking rule, shared by every backend: query at absolute position ``i`` sees key ``j`` when
+``j <= i``, ``i - j < window`` (sliding layers), key ``j`` is not padding, and (packed sequences)
+both belong to the same document. A query that sees no key at all (a left pad) outputs exactly
+zeros, never NaN, in the forward and the backward pass.
+
+Backends (``ModelConfig.attention_backend``), all with the signature of :data:`AttentionFn`:
+
+- ``eager``: the explicit math with an fp32 softmax; the reference the others are tested against.
+- ``sdpa``: :func:`torch.nn.functional.scaled_dot_product_attention`; plain causal attention is
+  passed as ``is_causal=True`` with no mask tensor (the fast training path).
+- ``flex``: :func:`torch.nn.attention.flex_attention.flex_attention` with a ``BlockMask`` built from
+  the same rule (PyTorch docs and the "FlexAttention" blog post, 2024). Without ``torch.compile``
+  it runs an unfused reference kernel; PyTorch 2.13 has no FlexAttention backward on CPU.
+- ``flash``: the ``flash_attn`` package (FlashAttention-2, Dao 2023) on CUDA in fp16/bf16:
+  ``flash_attn_func(..., causal=True, window_size=(w - 1, 0))``, and ``flash_attn_varlen_func``
+  for packed documents (each document one contiguous run of ``doc_ids``).
+
+A backend that cannot run a call (not installed, wrong device or dtype, unsupported mask) falls
+back to ``sdpa`` and says so in one warning per process and reason.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,24 +40,62 @@ from olmoflow.model.layers import RMSNorm, apply_rotary
 class KVCache:
     """Preallocated keys and values for every layer, ``[B, n_kv_heads, max_length, head_dim]``.
 
-    ``length`` is how many positions are filled (the same for every row; left padding keeps rows
-    aligned). ``key_padding`` ``[B, max_length]`` (bool, True = real token) masks left pads.
-    Sliding-window layers keep the full history too and mask by distance, which keeps the cache
-    layout uniform; memory is ``2 * n_layers * B * max_length * n_kv_heads * head_dim`` values.
+    Two modes:
+
+    - dynamic (``static=False``): ``length`` (a Python int) counts the filled positions, the same
+      for every row (left padding keeps rows aligned); attention reads the filled prefix only.
+    - static (``static=True``): the fill position is a tensor (``position``, ``[1]`` long), writes
+      use ``index_copy_`` at a ``cache_position`` tensor, and attention always reads all
+      ``max_length`` slots under a mask, so every decode step has the same shapes and the same
+      code path: ``torch.compile`` compiles one decode graph and reuses it.
+
+    ``key_padding`` ``[B, max_length]`` (bool, True = real token) masks left pads; ``n_pad`` ``[B]``
+    counts each row's pads so that later tokens get RoPE positions ``slot - n_pad`` without an
+    attention mask. Sliding-window layers keep the full history too and mask by distance, which
+    keeps the layout uniform; memory is ``2 * n_layers * B * max_length * n_kv_heads * head_dim``.
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, static: bool = False):
         shape = (batch, n_kv_heads, max_length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.key_padding = torch.ones(batch, max_length, dtype=torch.bool, device=device)
+        self.n_pad = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_length = max_length
-        self.length = 0
+        self.static = static
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # static mode only
+        self._length = 0
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v [B, H_kv, T, hd]`` at ``length`` and return the filled prefix of the cache."""
-        start, end = self.length, self.length + k.shape[2]
+    @property
+    def length(self) -> int:
+        """Filled positions (reads the ``position`` tensor in static mode: a device sync)."""
+        return int(self.position) if self.static else self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if self.static:
+            self.position.fill_(value)
+        else:
+            self._length = value
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [B, H_kv, T, hd]`` and return the keys/values attention should read.
+
+        Dynamic: written at ``length``; returns the filled prefix ``[B, H_kv, length + T, hd]``.
+        Static: written at the slots ``cache_position [T]`` (long); returns the whole cache
+        ``[B, H_kv, max_length, hd]``.
+
+        Raises:
+            ValueError: (dynamic) the write would pass ``max_length``.
+        """
+        if cache_position is not None:
+            self.k[layer].index_copy_(2, cache_position, k)
+            self.v[layer].index_copy_(2, cache_position, v)
+            return self.k[layer], self.v[layer]
+        start, end = self._length, self._length + k.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} positions > max_length {self.max_length}")
         self.k[layer][:, :, start:end] = k
@@ -47,14 +107,17 @@ def build_mask(
     q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     key_padding: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean attention mask, True where attending is allowed.
+    """Boolean attention mask, True where attending is allowed (the rule in the module docstring).
+
+    Rows may be all False (a pad query); backends turn those rows into zeros.
 
     Args:
         q_pos: ``[Tq]`` absolute positions of the queries (cache slots, not RoPE positions).
         k_pos: ``[Tk]`` absolute positions of the keys.
         window: sliding window (query included) or None for full causal attention.
         key_padding: ``[B, Tk]`` True for real tokens.
-        doc_ids: ``[B, T]`` document index per position (Tq == Tk); keys of other documents masked.
+        doc_ids: ``[B, T]`` document index per position (Tq == Tk == T); keys of other documents
+            are masked.
     Returns:
         ``[1 or B, 1, Tq, Tk]`` bool.
     """
@@ -67,7 +130,272 @@ def build_mask(
         mask = mask & key_padding[:, None, None, :]
     if doc_ids is not None:
         mask = mask & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-    return mask | (diff == 0)[None, None]  # a query always sees itself: no all-masked rows
+    return mask
+
+
+class AttentionMask:
+    """The masking rule of one forward pass for one window size, shared by the layers using it.
+
+    Holds the rule, not a tensor: each backend asks for the form it consumes (:meth:`dense`,
+    :meth:`block_mask`, or nothing when :attr:`is_causal`), built lazily once and reused by every
+    layer with this window.
+
+    Args:
+        q_pos: ``[Tq]`` long, absolute cache slots of the queries.
+        k_len: number of keys ``Tk``; key ``j`` sits at slot ``j``.
+        window: sliding window (query included) or None.
+        key_padding: ``[B, Tk]`` bool, True for real tokens, or None.
+        doc_ids: ``[B, Tq]`` document per position (requires ``Tq == Tk``), or None.
+        aligned: the queries are the last ``Tq`` of the ``Tk`` positions (no static cache).
+    Raises:
+        ValueError: ``doc_ids`` given while ``Tq != Tk`` (decoding with packed documents).
+    """
+
+    def __init__(self, q_pos: torch.Tensor, k_len: int, window: int | None = None, *,
+                 key_padding: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                 aligned: bool = True):
+        if doc_ids is not None and (doc_ids.shape[-1] != q_pos.shape[0] or q_pos.shape[0] != k_len):
+            raise ValueError(
+                f"doc_ids {tuple(doc_ids.shape)} needs as many queries as keys (got {q_pos.shape[0]} "
+                f"queries, {k_len} keys): intra-document masking is for full forwards, not decoding"
+            )
+        self.q_pos, self.k_len, self.window = q_pos, k_len, window
+        self.key_padding, self.doc_ids, self.aligned = key_padding, doc_ids, aligned
+        self._dense: torch.Tensor | None = None
+        self._has_key: torch.Tensor | None = None
+        self._block_masks: dict = {}
+
+    @classmethod
+    def causal(cls, q_len: int, k_len: int, device: torch.device, window: int | None = None) -> AttentionMask:
+        """Causal (and windowed) attention of the last ``q_len`` of ``k_len`` positions."""
+        return cls(torch.arange(k_len - q_len, k_len, device=device), k_len, window)
+
+    @property
+    def q_len(self) -> int:
+        return self.q_pos.shape[0]
+
+    @property
+    def is_causal(self) -> bool:
+        """True when the rule is exactly plain causal attention with ``Tq == Tk`` (no window
+        reaches, no padding, no documents): backends may use their built-in causal kernel."""
+        return (self.aligned and self.q_len == self.k_len and self.key_padding is None
+                and self.doc_ids is None and (self.window is None or self.k_len <= self.window))
+
+    @property
+    def may_have_empty_rows(self) -> bool:
+        """Whether some query may see no key (only with key padding: otherwise it sees itself)."""
+        return self.key_padding is not None
+
+    def dense(self) -> torch.Tensor:
+        """``[1 or B, 1, Tq, Tk]`` bool, True where attending is allowed (:func:`build_mask`)."""
+        if self._dense is None:
+            k_pos = torch.arange(self.k_len, device=self.q_pos.device)
+            self._dense = build_mask(self.q_pos, k_pos, self.window, self.key_padding, self.doc_ids)
+        return self._dense
+
+    def has_key(self) -> torch.Tensor | None:
+        """``[1 or B, 1, Tq, 1]`` bool, False for queries that see no key; None if there are none."""
+        if not self.may_have_empty_rows:
+            return None
+        if self._has_key is None:
+            self._has_key = self.dense().any(-1, keepdim=True)
+        return self._has_key
+
+    def safe_dense(self) -> torch.Tensor:
+        """:meth:`dense` with empty rows opened up (they attend everywhere), so a softmax over
+        them stays finite; their outputs are then replaced by zeros (:func:`zero_empty_rows`)."""
+        has_key = self.has_key()
+        return self.dense() if has_key is None else self.dense() | ~has_key
+
+    def mask_mod(self) -> Callable:
+        """The rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+        q_pos, window, pad, docs = self.q_pos, self.window, self.key_padding, self.doc_ids
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            qp = q_pos[q_idx]
+            ok = kv_idx <= qp
+            if window is not None:
+                ok = ok & (qp - kv_idx < window)
+            if pad is not None:
+                ok = ok & pad[b, kv_idx]
+            if docs is not None:
+                ok = ok & (docs[b, q_idx] == docs[b, kv_idx])
+            return ok
+
+        return mask_mod
+
+    def block_mask(self, batch: int):
+        """A FlexAttention ``BlockMask`` for this rule (built once, shared by the layers)."""
+        per_row = self.key_padding is not None or self.doc_ids is not None
+        key = batch if per_row else None
+        if key not in self._block_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            self._block_masks[key] = create_block_mask(
+                self.mask_mod(), B=key, H=None, Q_LEN=self.q_len, KV_LEN=self.k_len,
+                device=self.q_pos.device)
+        return self._block_masks[key]
+
+
+def zero_empty_rows(out: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Zero the outputs ``[B, H, Tq, hd]`` of queries that see no key (see :meth:`AttentionMask.safe_dense`)."""
+    has_key = mask.has_key()
+    return out if has_key is None else out.masked_fill(~has_key, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends. Each takes q [B, H, Tq, hd], k/v [B, H_kv, Tk, hd] (H a multiple of H_kv), the rule,
+# and a dropout probability, and returns [B, H, Tq, hd] in q's dtype with zeros on empty rows.
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, float], torch.Tensor]
+
+
+def eager_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(hd) + mask) v`` spelled out, scores and softmax in fp32."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask.safe_dense(), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return zero_empty_rows(probs @ v, mask)
+
+
+def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
+    """PyTorch SDPA; plain causal attention goes in as ``is_causal=True`` with no mask tensor."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask.is_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.safe_dense(), dropout_p=dropout_p,
+                                         enable_gqa=gqa)
+    return zero_empty_rows(out, mask)
+
+
+def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
+    """FlexAttention with the rule as a ``BlockMask``. Rows that see no key come out as zeros
+    (FlexAttention's documented behaviour; tested). No dropout (checked by :func:`attend`)."""
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
+    return _flex(q, k, v, block_mask=mask.block_mask(q.shape[0]), enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _flash_attn():
+    """The ``flash_attn`` module, or None when it is not installed."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    import flash_attn
+
+    return flash_attn
+
+
+def _doc_runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``doc_ids [B, T]`` -> (``cu_seqlens`` int32 over the flattened batch, longest run)."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    idx = starts.flatten().nonzero().squeeze(1)
+    cu = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def flash_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
+    """FlashAttention-2 (Dao 2023). Causal with ``window_size=(w - 1, 0)``; packed documents via
+    ``flash_attn_varlen_func``, assuming each document is one contiguous run of ``doc_ids``."""
+    fa = _flash_attn()
+    B, H, Tq, hd = q.shape
+    ws = (mask.window - 1, 0) if mask.window is not None else (-1, -1)
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, H, hd]
+    if mask.doc_ids is None:
+        out = fa.flash_attn_func(q_, k_, v_, dropout_p, causal=True, window_size=ws)
+    else:
+        cu, longest = _doc_runs(mask.doc_ids)
+        flat = [t.reshape(B * t.shape[1], t.shape[2], hd) for t in (q_, k_, v_)]
+        out = fa.flash_attn_varlen_func(*flat, cu, cu, longest, longest, dropout_p, causal=True,
+                                        window_size=ws).view(B, Tq, H, hd)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _has_flex() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def _flex_unavailable(q, k, v, mask: AttentionMask, dropout_p: float) -> str | None:
+    if not _has_flex():
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    if dropout_p > 0:
+        return "flex_attention has no attention dropout"
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return f"FlexAttention has no backward pass on CPU in torch {torch.__version__}"
+    return None
+
+
+def _flash_unavailable(q, k, v, mask: AttentionMask, dropout_p: float) -> str | None:
+    if _flash_attn() is None:
+        return "flash_attn not installed; needs CUDA"
+    if q.device.type != "cuda":
+        return f"flash_attn needs CUDA, got device '{q.device.type}'"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash_attn needs fp16/bf16, got {q.dtype}"
+    if q.shape[-1] > 256:
+        return f"flash_attn supports head_dim <= 256, got {q.shape[-1]}"
+    if mask.key_padding is not None or not mask.aligned:
+        return "flash_attn path has no key-padding masks (left padding, static KV cache)"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A registered backend: the kernel and a check that returns why it cannot run a call."""
+
+    name: str
+    fn: AttentionFn
+    unavailable: Callable[..., str | None] | None = None
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
+FALLBACK_BACKEND = "sdpa"
+_warned: set[tuple[str, str]] = set()
+
+
+def register_backend(name: str, fn: AttentionFn, unavailable: Callable[..., str | None] | None = None) -> None:
+    """Add (or replace) a backend. ``unavailable(q, k, v, mask, dropout_p)`` returns a reason
+    string when the backend cannot run that call (it then falls back to ``sdpa``), else None."""
+    ATTENTION_BACKENDS[name] = AttentionBackend(name, fn, unavailable)
+
+
+register_backend("eager", eager_attention)
+register_backend("sdpa", sdpa_attention)
+register_backend("flex", flex_attention, _flex_unavailable)
+register_backend("flash", flash_attention, _flash_unavailable)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+           backend: str = "sdpa", dropout_p: float = 0.0) -> torch.Tensor:
+    """Run ``backend`` (a name in :data:`ATTENTION_BACKENDS`) on one call, or fall back to
+    ``sdpa`` with one warning per process and reason when it cannot run here.
+
+    Shapes: ``q [B, H, Tq, hd]``, ``k, v [B, H_kv, Tk, hd]`` -> ``[B, H, Tq, hd]``.
+
+    Raises:
+        KeyError: ``backend`` is not registered.
+    """
+    try:
+        b = ATTENTION_BACKENDS[backend]
+    except KeyError:
+        raise KeyError(f"unknown attention backend '{backend}'; known: {sorted(ATTENTION_BACKENDS)}") from None
+    reason = b.unavailable(q, k, v, mask, dropout_p) if b.unavailable is not None else None
+    if reason is not None:
+        if (backend, reason) not in _warned:
+            _warned.add((backend, reason))
+            warnings.warn(f"attention backend '{backend}' is unavailable ({reason}); "
+                          f"using '{FALLBACK_BACKEND}'", UserWarning, stacklevel=2)
+        b = ATTENTION_BACKENDS[FALLBACK_BACKEND]
+    return b.fn(q, k, v, mask, dropout_p)
 
 
 class Attention(nn.Module):
@@ -75,6 +403,7 @@ class Attention(nn.Module):
 
     q/k/v/out projections without bias; RMSNorm on the full q (``n_heads*head_dim``) and k
     (``n_kv_heads*head_dim``) before splitting heads and before RoPE (OLMo 2 QK-norm).
+    ``backend`` names an entry of :data:`ATTENTION_BACKENDS`.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -91,36 +420,22 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layer: int = 0,
-        cache: KVCache | None = None, mask: torch.Tensor | None = None,
+        cache: KVCache | None = None, mask: AttentionMask | None = None,
+        cache_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask`` is a prebuilt :func:`build_mask` or None for plain causal attention."""
+        """Attend ``x [B, T, d_model]``; ``cos/sin [B|1, T, head_dim]`` are the RoPE tables.
+
+        ``mask`` is the rule for this layer's window (None: plain causal over the keys read);
+        ``cache_position [T]`` (long) selects the static-cache write slots.
+        """
         B, T, _ = x.shape
         q = self.q_norm(self.w_q(x)).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.w_k(x)).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.w_v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(layer, k, v)
-        y = self._attend(q, k, v, mask)
-        return self.w_out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def _attend(self, q, k, v, mask):
-        p = self.dropout if self.training else 0.0
-        if self.backend == "sdpa":
-            if mask is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
-                                                      enable_gqa=self.n_kv_heads != self.n_heads)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                  enable_gqa=self.n_kv_heads != self.n_heads)
-        # eager: the explicit math, in fp32 softmax, as a reference and for attention statistics
-        rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+            k, v = cache.update(layer, k, v, cache_position)
         if mask is None:
-            Tq, Tk = q.shape[2], k.shape[2]
-            mask = build_mask(torch.arange(Tk - Tq, Tk, device=q.device),
-                              torch.arange(Tk, device=q.device), None)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        probs = F.dropout(probs, p=p, training=self.training)
-        return probs @ v
+            mask = AttentionMask.causal(T, k.shape[2], x.device, self.window)
+        y = attend(q, k, v, mask, self.backend, self.dropout if self.training else 0.0)
+        return self.w_out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -11,6 +11,9 @@ from typing import Any
 
 from olmoflow.errors import OlmoflowError
 
+# The dolma2 tokenizer's 100,278 tokens padded to a multiple of 128, as in every official OLMo 2/3.
+OLMO_VOCAB_SIZE = 100_352
+
 
 @dataclass
 class ModelConfig:
@@ -78,9 +81,9 @@ class ModelConfig:
             )
         if self.hd % 2:
             raise OlmoflowError(f"model.head_dim={self.hd} must be even for RoPE")
-        if self.attention_backend not in ("sdpa", "eager"):
+        if self.attention_backend not in ("sdpa", "eager", "flex", "flash"):
             raise OlmoflowError(
-                f"model.attention_backend='{self.attention_backend}' is not one of: sdpa, eager"
+                f"model.attention_backend='{self.attention_backend}' is not one of: sdpa, eager, flex, flash"
             )
 
     @property
@@ -119,18 +122,99 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    # Presets (OLMo-core style names). vocab 100,278 padded to 100,352 as in the official models.
+    # ---- Presets (OLMo-core style names; the registry is olmoflow.model.presets.PRESETS) ----
+    # Official shapes: the OLMo 2 / OLMo 3 Hugging Face config.json files (allenai/OLMo-2-0425-1B,
+    # OLMo-2-1124-7B, OLMo-2-1124-13B, OLMo-2-0325-32B, Olmo-3-1025-7B, Olmo-3-1125-32B) and
+    # OLMo-core's ``TransformerConfig.olmo2_*`` / ``olmo3_*``. Vocab: the dolma2 tokenizer's 100,278
+    # tokens padded to 100,352. head_dim 128 for every official size.
+
     @classmethod
-    def olmo2_1b(cls) -> ModelConfig:
-        return cls(vocab_size=100_352, d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192,
+    def _olmo2(cls, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int,
+               n_kv_heads: int | None = None) -> ModelConfig:
+        """OLMo 2: full attention on every layer, RoPE theta 500,000, 4,096-token context."""
+        return cls(vocab_size=OLMO_VOCAB_SIZE, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=n_kv_heads, mlp_hidden=mlp_hidden, max_sequence_length=4096,
                    sliding_window=None)
 
     @classmethod
+    def _olmo3(cls, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int,
+               n_kv_heads: int | None = None) -> ModelConfig:
+        """OLMo 3 (long-context release): 4,096-token sliding windows except every 4th and the last
+        layer; YaRN (factor 8 over the original 8,192) on the full layers; 65,536-token context."""
+        return cls(vocab_size=OLMO_VOCAB_SIZE, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=n_kv_heads, mlp_hidden=mlp_hidden, max_sequence_length=65536,
+                   sliding_window=4096, full_attention_every=4, yarn_factor=8.0,
+                   yarn_original_max_length=8192)
+
+    @classmethod
+    def _ladder(cls, d_model: int, n_layers: int) -> ModelConfig:
+        """A small OLMo 3-architecture model for experiments (scaling ladders).
+
+        head_dim 64, MLP 4 x d_model, so each block has ~16 d_model^2 parameters; the name counts
+        the NON-embedding parameters (blocks + final norm), which is what scaling laws use. Sliding
+        windows of 4,096 as OLMo 3, 8,192-token context (OLMo 3's pretraining length), no YaRN.
+        """
+        return cls(vocab_size=OLMO_VOCAB_SIZE, d_model=d_model, n_layers=n_layers,
+                   n_heads=d_model // 64, mlp_hidden=4 * d_model, max_sequence_length=8192,
+                   sliding_window=4096, full_attention_every=4)
+
+    @classmethod
+    def olmo2_1b(cls) -> ModelConfig:
+        """OLMo-2-0425-1B: 1,484,916,736 parameters (1,073,874,944 non-embedding)."""
+        return cls._olmo2(2048, 16, 16, 8192)
+
+    @classmethod
+    def olmo2_7b(cls) -> ModelConfig:
+        """OLMo-2-1124-7B: 7,298,617,344 parameters."""
+        return cls._olmo2(4096, 32, 32, 11008)
+
+    @classmethod
+    def olmo2_13b(cls) -> ModelConfig:
+        """OLMo-2-1124-13B: 13,716,198,400 parameters."""
+        return cls._olmo2(5120, 40, 40, 13824)
+
+    @classmethod
+    def olmo2_32b(cls) -> ModelConfig:
+        """OLMo-2-0325-32B: 32,234,279,936 parameters (GQA: 40 query heads, 8 KV heads)."""
+        return cls._olmo2(5120, 64, 40, 27648, n_kv_heads=8)
+
+    @classmethod
     def olmo3_7b(cls) -> ModelConfig:
-        return cls(vocab_size=100_352, d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008,
-                   max_sequence_length=65536, yarn_factor=8.0)
+        """Olmo-3-7B: the OLMo 2 7B shape with OLMo 3 attention (7,298,617,344 parameters)."""
+        return cls._olmo3(4096, 32, 32, 11008)
 
     @classmethod
     def olmo3_32b(cls) -> ModelConfig:
-        return cls(vocab_size=100_352, d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8,
-                   mlp_hidden=27648, max_sequence_length=65536, yarn_factor=8.0)
+        """Olmo-3-32B: the OLMo 2 32B shape with OLMo 3 attention (32,234,279,936 parameters)."""
+        return cls._olmo3(5120, 64, 40, 27648, n_kv_heads=8)
+
+    @classmethod
+    def olmo3_14m(cls) -> ModelConfig:
+        """~14M non-embedding parameters: d_model 384, 6 layers, 6 heads, MLP 1536."""
+        return cls._ladder(384, 6)
+
+    @classmethod
+    def olmo3_60m(cls) -> ModelConfig:
+        """~60M non-embedding parameters: d_model 512, 14 layers, 8 heads, MLP 2048."""
+        return cls._ladder(512, 14)
+
+    @classmethod
+    def olmo3_190m(cls) -> ModelConfig:
+        """~190M non-embedding parameters: d_model 768, 20 layers, 12 heads, MLP 3072."""
+        return cls._ladder(768, 20)
+
+    @classmethod
+    def olmo3_370m(cls) -> ModelConfig:
+        """~370M non-embedding parameters: d_model 1024, 22 layers, 16 heads, MLP 4096."""
+        return cls._ladder(1024, 22)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """The preset ``name`` (see :data:`olmoflow.model.presets.PRESETS`) with field overrides.
+
+        Raises:
+            OlmoflowError: unknown preset (naming the closest one) or an inconsistent override.
+        """
+        from olmoflow.model.presets import get_preset
+
+        return get_preset(name, **overrides)

@@ -4,11 +4,17 @@ Hugging Face names appear only here. A saved directory holds ``config.json`` (``
 ``olmo3``, or ``olmo2`` when there are no sliding windows), ``model.safetensors`` (or shards with
 ``model.safetensors.index.json`` when loading) and ``generation_config.json``; ``transformers``'
 ``AutoModelForCausalLM`` loads it as is.
+
+Loading accepts what ``transformers`` 4 and 5 write: ``rope_theta``/``rope_scaling`` or
+``rope_parameters`` (flat, or per layer type), sharded or single-file safetensors, any float dtype
+(kept unless ``dtype=`` is given). Saving strips ``torch.compile`` (``_orig_mod.``) and DDP
+(``module.``) prefixes. Reference: ``transformers/models/olmo3/{configuration,modeling}_olmo3.py``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -49,14 +55,26 @@ def _translate(name: str, table: list[tuple[str, str]]) -> str | None:
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip wrapper prefixes (``_orig_mod.`` from torch.compile, ``module.`` from DDP)."""
+    """Strip wrapper prefixes: ``_orig_mod.`` (torch.compile) and ``module.`` (DDP/FSDP1), at any
+    nesting (``module._orig_mod.x`` and ``_orig_mod.module.x`` both become ``x``)."""
     out = {}
     for k, v in state.items():
-        k = k.replace("_orig_mod.", "")
-        while k.startswith("module."):
-            k = k[len("module."):]
-        out[k] = v
+        parts = [p for p in k.split(".") if p != "_orig_mod"]
+        while parts and parts[0] == "module":
+            parts = parts[1:]
+        out[".".join(parts)] = v
     return out
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare :class:`Olmo` inside ``torch.compile`` (``_orig_mod``) and DDP (``module``) wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "config"):
+            model = model.module
+        else:
+            return model
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,28 +144,86 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int | None = None, pad_token_id
     return d
 
 
+def _rope_entries(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(sliding, full)`` RoPE parameter dicts from either config style.
+
+    transformers < 5 writes ``rope_theta`` + ``rope_scaling`` (scaling on full layers for OLMo 3);
+    transformers 5 writes ``rope_parameters``: flat (``{"rope_type", "rope_theta", ...}``, every
+    layer) or per layer type (``{"full_attention": {...}, "sliding_attention": {...}}``).
+    """
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if "full_attention" in params or "sliding_attention" in params:
+            full = dict(params.get("full_attention") or params.get("sliding_attention"))
+            sliding = dict(params.get("sliding_attention") or full)
+        else:
+            full = dict(params)
+            sliding = {"rope_type": "default", "rope_theta": params.get("rope_theta")}
+    else:
+        full = dict(d.get("rope_scaling") or {})
+        sliding = {}
+    for e in (full, sliding):
+        if e.get("rope_theta") is None:
+            e["rope_theta"] = d.get("rope_theta", 500_000.0)
+        e["rope_type"] = e.get("rope_type", e.get("type", "default"))
+    return sliding, full
+
+
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from an OLMo 2/3 ``config.json`` dict."""
+    """Build a :class:`ModelConfig` from an OLMo 2/3 ``config.json`` dict.
+
+    Accepts both the transformers 4 (``rope_theta``/``rope_scaling``) and the transformers 5
+    (``rope_parameters``, flat or per layer type) styles. ``head_dim`` defaults to
+    ``hidden_size // num_attention_heads`` as in transformers.
+
+    Raises:
+        OlmoflowError: not OLMo 2/3, tied embeddings, a RoPE variant other than default/YaRN (or
+            YaRN with non-default ``beta_fast``/``beta_slow``/``attention_factor``), or a
+            ``layer_types`` pattern other than OLMo 3's.
+    """
     mt = d.get("model_type")
     if mt not in ("olmo2", "olmo3"):
         raise OlmoflowError(f"config.json model_type '{mt}' is not supported (expected olmo2 or olmo3)")
-    layer_types = d.get("layer_types")
-    rope = d.get("rope_scaling") or (d.get("rope_parameters") or {}).get("full_attention") or {}
-    theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("full_attention", {}).get(
-        "rope_theta", 500_000.0)
-    yarn = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "yarn" else None
+    if d.get("tie_word_embeddings"):
+        raise OlmoflowError("config.json has tie_word_embeddings=true; OLMo 2/3 use an untied LM head")
+    layer_types = d.get("layer_types") if mt == "olmo3" else None
+    sliding_rope, rope = _rope_entries(d)
+    yarn = None
+    for e in (sliding_rope, rope):
+        if e["rope_type"] not in ("default", "yarn"):
+            raise OlmoflowError(f"config.json RoPE type '{e['rope_type']}' is not supported "
+                                "(expected default or yarn)")
+    if sliding_rope["rope_type"] != "default" and mt == "olmo3":
+        raise OlmoflowError("config.json scales RoPE on sliding-window layers; OLMo 3 scales full "
+                            "layers only")
+    if sliding_rope["rope_theta"] != rope["rope_theta"]:
+        raise OlmoflowError("config.json uses different rope_theta per layer type; not supported")
+    if rope["rope_type"] == "yarn":
+        yarn = float(rope["factor"])
+        default_mscale = 0.1 * math.log(yarn) + 1.0 if yarn > 1 else 1.0
+        af = rope.get("attention_factor")
+        if (rope.get("beta_fast", 32) != 32 or rope.get("beta_slow", 1) != 1
+                or (af is not None and abs(af - default_mscale) > 1e-6)):
+            raise OlmoflowError("config.json YaRN uses non-default beta_fast/beta_slow/"
+                                "attention_factor; not supported")
     every = 4
     if layer_types:
         full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         every = full[0] + 1 if full else len(layer_types) + 1
+    heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim")
+    if head_dim == d["hidden_size"] // heads and d["hidden_size"] % heads == 0:
+        head_dim = None  # the default; keeps configs equal across a round trip
     cfg = ModelConfig(
         vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"],
-        n_heads=d["num_attention_heads"], n_kv_heads=d.get("num_key_value_heads"),
-        head_dim=d.get("head_dim"), mlp_hidden=d["intermediate_size"],
-        max_sequence_length=d.get("max_position_embeddings", 4096), rope_theta=float(theta),
+        n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=head_dim, mlp_hidden=d["intermediate_size"],
+        max_sequence_length=d.get("max_position_embeddings", 4096),
+        rope_theta=float(rope["rope_theta"]),
         sliding_window=d.get("sliding_window") if mt == "olmo3" else None,
         full_attention_every=every, yarn_factor=yarn,
-        yarn_original_max_length=rope.get("original_max_position_embeddings", 8192),
+        yarn_original_max_length=rope.get("original_max_position_embeddings")
+        or d.get("original_max_position_embeddings") or 8192,
         rms_norm_eps=d.get("rms_norm_eps", 1e-6), init_std=d.get("initializer_range", 0.02),
     )
     if layer_types and [cfg.is_full_attention(i) for i in range(cfg.n_layers)] != [
@@ -161,48 +237,98 @@ def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
                 pad_token_id: int | None = None, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``path``.
 
-    Returns the files written. Weights keep the model's dtype unless ``dtype`` is given.
+    ``model`` may be wrapped by ``torch.compile`` or DDP; saved names never carry ``_orig_mod.`` or
+    ``module.``. Weights keep the model's dtype unless ``dtype`` is given. Each file is written
+    atomically (for a whole directory written atomically see :func:`olmoflow.export.export_hf`).
+    Returns the files written.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    bare = unwrap_model(model)
     state = {k: (v.to(dtype) if dtype else v).detach().cpu() for k, v in model.state_dict().items()}
     hf_state = to_hf_state_dict(state)
-    dt = str(next(iter(hf_state.values())).dtype).removeprefix("torch.")
+    dt = str(hf_state["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     with atomic_path(path / "model.safetensors") as tmp:
         save_file(hf_state, str(tmp), metadata={"format": "pt"})
-    atomic_write_json(path / "config.json", hf_config(model.config, eos_token_id=eos_token_id,
+    atomic_write_json(path / "config.json", hf_config(bare.config, eos_token_id=eos_token_id,
                                                       pad_token_id=pad_token_id, dtype=dt))
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "do_sample": False}
     atomic_write_json(path / "generation_config.json", gen)
     return [path / "config.json", path / "generation_config.json", path / "model.safetensors"]
 
 
-def load_hf_dir(path: str | Path, *, device="cpu", dtype: torch.dtype | None = None):
-    """Load a local Hugging Face OLMo 2/3 directory (single or sharded safetensors) as :class:`Olmo`."""
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise OlmoflowError(f"'{index}' is not a safetensors index ({e})") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise OlmoflowError(f"no model.safetensors (or model.safetensors.index.json) in '{path}'")
+    for f in files:
+        if not f.is_file():
+            raise OlmoflowError(f"'{f}' (named in the safetensors index) is missing")
+    return files
+
+
+def load_hf_dir(path: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
+                device_map: str | None = None, load_in_8bit: bool = False,
+                quantization: str | None = None):
+    """Load a local Hugging Face OLMo 2/3 directory as :class:`Olmo` (in eval mode).
+
+    ``device_map="auto"`` (as in OLMo's docs) places the model on the GPU when there is one, else
+    the CPU. ``load_in_8bit=True`` quantizes the linear layers to int8 through bitsandbytes
+    (``quantization="torchao"`` picks torchao's int8 weight-only path instead); the LM head stays
+    in full precision. See :func:`olmoflow.infer.quantize.quantize_model`.
+
+    Reads ``config.json`` (transformers 4 or 5 style) and ``model.safetensors`` or the shards
+    listed in ``model.safetensors.index.json``. The model is built on the meta device and the
+    loaded tensors are assigned in place (no second copy, no random init). Weights keep their
+    stored dtype (e.g. bf16) unless ``dtype`` is given.
+
+    Raises:
+        OlmoflowError: missing directory/config/weights, unsupported config, or weights that do
+            not match the config (names or shapes).
+    """
     from olmoflow.model.olmo import Olmo
 
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise OlmoflowError(f"no config.json in '{path}' (expected a Hugging Face model directory)")
-    cfg = model_config_from_hf(json.loads(cfg_path.read_text()))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise OlmoflowError(f"no model.safetensors (or index) in '{path}'")
+    try:
+        cfg = model_config_from_hf(json.loads(cfg_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise OlmoflowError(f"'{cfg_path}' is not valid JSON ({e})") from None
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(path / f)))
+    for f in _weight_files(path):
+        state.update(load_file(str(f), device=str(device)))
     state = from_hf_state_dict(state)
     with torch.device("meta"):
         model = Olmo(cfg)
-    load_dtype = dtype or next(iter(state.values())).dtype
-    model = model.to_empty(device=device).to(load_dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise OlmoflowError(f"checkpoint in '{path}' does not match its config: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+    expected = {k: p.shape for k, p in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+    if missing or unexpected or wrong:
+        raise OlmoflowError(f"weights in '{path}' do not match its config.json: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if device_map == "auto":
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+    elif device_map is not None:
+        model = model.to(device_map)
+    if load_in_8bit or quantization:
+        from olmoflow.infer.quantize import quantize_model
+
+        try:
+            quantize_model(model, quantization or "bnb")
+        except ImportError as e:
+            raise OlmoflowError(f"8-bit loading needs its library: {e} (pip install 'olmoflow[quant]')") from None
     return model.eval()

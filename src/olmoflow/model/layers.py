@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,12 +71,14 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables (fp32), rotate-half convention.
 
     ``forward(positions [B, T] or [T])`` returns ``(cos, sin)`` of shape ``[B or 1, T, head_dim]``
-    in fp32; :func:`apply_rotary` applies them to ``[B, H, T, head_dim]`` queries/keys.
+    in fp32; :func:`apply_rotary` applies them to ``[B, H, T, head_dim]`` queries/keys. The tables
+    for positions ``0 .. max_length - 1`` are computed once per device and indexed, so a decode step
+    costs a gather, not a cos and a sin; a position past ``max_length`` grows the table.
     """
 
     def __init__(
         self, head_dim: int, theta: float, yarn_factor: float | None = None,
-        yarn_original_max_length: int = 8192,
+        yarn_original_max_length: int = 8192, max_length: int = 4096,
     ):
         super().__init__()
         if yarn_factor:
@@ -82,21 +86,32 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
             self.scale = 1.0
-        # Kept out of the state dict and out of .to(dtype): the table is derived from the config
+        # Kept out of the state dict and out of .to(dtype): the tables are derived from the config
         # and must stay fp32 even when the weights are bf16 or were built on the meta device.
-        self._inv_freq = {torch.device("cpu"): inv_freq}
+        self.inv_freq = inv_freq
+        self.max_length = max_length
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
-        return self._inv_freq[device]
+    def _table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < length:
+            pos = torch.arange(max(length, self.max_length), dtype=torch.float32, device="cpu")
+            freqs = pos[:, None] * self.inv_freq[None, :]  # [L, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = ((emb.cos() * self.scale).to(device), (emb.sin() * self.scale).to(device))
+            self._tables[device] = table
+        return table
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             positions = positions[None]
-        freqs = positions.float()[..., None] * self.inv_freq(positions.device)  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scale, emb.sin() * self.scale
+        cos, sin = self._table(positions.device, self.max_length)
+        if not torch.compiler.is_compiling() and positions.device.type == "cpu" and positions.numel():
+            # Growing needs the largest position: a cheap read on CPU (on GPU, size max_length).
+            top = int(positions.max())
+            if top >= cos.shape[0]:
+                cos, sin = self._table(positions.device, top + 1)
+        return cos[positions], sin[positions]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

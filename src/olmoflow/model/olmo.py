@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from olmoflow.model.attention import Attention, KVCache, build_mask
+from olmoflow.model.attention import Attention, AttentionMask, KVCache
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -45,7 +45,7 @@ class _CrossEntropyZLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, z_coef: float, scale: float):
+    def forward(ctx, logits, labels, z_coef: float, scale: torch.Tensor):
         logp = torch.log_softmax(logits, dim=-1)
         valid = (labels != IGNORE_INDEX).to(logits.dtype)
         target = labels.clamp_min(0)[:, None]
@@ -53,15 +53,15 @@ class _CrossEntropyZLoss(torch.autograd.Function):
         lse = logits.gather(1, target).squeeze(1) - logp_t
         ce = -(logp_t * valid).sum() * scale
         z = z_coef * (lse.square() * valid).sum() * scale
-        ctx.save_for_backward(logp, target, lse, valid)
-        ctx.z_coef, ctx.scale = z_coef, scale
+        ctx.save_for_backward(logp, target, lse, valid, scale)
+        ctx.z_coef = z_coef
         return ce, z
 
     @staticmethod
     def backward(ctx, g_ce, g_z):
-        logp, target, lse, valid = ctx.saved_tensors
-        w_ce = g_ce * valid * ctx.scale
-        coef = w_ce + (2 * ctx.z_coef * ctx.scale) * g_z * lse * valid
+        logp, target, lse, valid, scale = ctx.saved_tensors
+        w_ce = g_ce * valid * scale
+        coef = w_ce + (2 * ctx.z_coef * scale) * g_z * lse * valid
         grad = logp.exp_().mul_(coef[:, None])
         grad.scatter_add_(1, target, -w_ce[:, None])
         return grad, None, None, None
@@ -82,8 +82,12 @@ def lm_loss(
     """
     logits = logits.float().reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
-    n = normalizer if normalizer is not None else int((labels != IGNORE_INDEX).sum().clamp_min(1))
-    ce, z = _CrossEntropyZLoss.apply(logits, labels, float(z_loss_coef), 1.0 / float(n))
+    # The target count stays a tensor (no device sync, no torch.compile graph break).
+    if normalizer is not None:
+        scale = torch.tensor(1.0 / float(normalizer), device=logits.device)
+    else:
+        scale = 1.0 / (labels != IGNORE_INDEX).sum().clamp_min(1).to(logits.dtype)
+    ce, z = _CrossEntropyZLoss.apply(logits, labels, float(z_loss_coef), scale)
     return ce + z, ce, z
 
 
@@ -101,8 +105,9 @@ class Block(nn.Module):
         self.feed_forward_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin, cache=None, mask=None):
-        a = self.attention(x, cos, sin, layer=self.layer, cache=cache, mask=mask)
+    def forward(self, x, cos, sin, cache=None, mask=None, cache_position=None):
+        a = self.attention(x, cos, sin, layer=self.layer, cache=cache, mask=mask,
+                           cache_position=cache_position)
         h = x + F.dropout(self.attention_norm(a), self.dropout, self.training)
         m = self.feed_forward(h)
         return h + F.dropout(self.feed_forward_norm(m), self.dropout, self.training)
@@ -125,10 +130,12 @@ class Olmo(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config.hd, config.rope_theta)
+        self.rope = RotaryEmbedding(config.hd, config.rope_theta,
+                                    max_length=config.max_sequence_length)
         # OLMo 3 trained YaRN on the full-attention layers only; sliding layers keep plain RoPE.
         self.rope_full = (
-            RotaryEmbedding(config.hd, config.rope_theta, config.yarn_factor, config.yarn_original_max_length)
+            RotaryEmbedding(config.hd, config.rope_theta, config.yarn_factor,
+                            config.yarn_original_max_length, max_length=config.max_sequence_length)
             if config.yarn_factor else self.rope
         )
         self.reset_parameters()
@@ -150,11 +157,15 @@ class Olmo(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch: int, max_length: int) -> KVCache:
-        """An empty KV cache for ``batch`` rows of up to ``max_length`` positions."""
+    def new_cache(self, batch: int, max_length: int, *, static: bool = False) -> KVCache:
+        """An empty KV cache for ``batch`` rows of up to ``max_length`` positions.
+
+        ``static=True`` gives the fixed-shape cache for ``torch.compile``d decoding (see
+        :class:`KVCache` and :meth:`forward`).
+        """
         c = self.config
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_length, c.hd,
-                       self.embeddings.weight.dtype, self.device)
+                       self.embeddings.weight.dtype, self.device, static=static)
 
     def forward(
         self,
@@ -164,6 +175,7 @@ class Olmo(nn.Module):
         attention_mask: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        cache_position: torch.Tensor | None = None,
         loss_normalizer: float | None = None,
         last_logits_only: bool = False,
     ) -> OlmoOutput:
@@ -173,41 +185,49 @@ class Olmo(nn.Module):
             input_ids: ``[B, T]`` token ids.
             labels: ``[B, T]`` targets aligned with the inputs, ``IGNORE_INDEX`` where none.
             attention_mask: ``[B, start + T]`` 1 for real tokens, 0 for (left) padding, covering
-                the cached positions too; positions for RoPE count real tokens only.
+                the cached positions too; positions for RoPE count real tokens only. With a cache
+                the pads are remembered, so later calls may omit it (new tokens are real).
             doc_ids: ``[B, T]`` document number per position; tokens attend within their own
-                document only (intra-document masking for packed sequences).
+                document only (intra-document masking for packed sequences). Full forwards only
+                (no cache, or a dynamic cache filled from empty).
             cache: a :class:`KVCache` to read and extend (prefill or decode).
+            cache_position: static cache only: ``[T]`` long tensor of the slots this call writes;
+                default ``cache.position + arange(T)``. The static path never turns a tensor into
+                a Python number, so decode steps of the same shape reuse one compiled graph; omit
+                ``attention_mask`` on those steps (its width would change every step).
             loss_normalizer: divide summed losses by this instead of this batch's target count.
             last_logits_only: compute logits for the last position only (decoding).
+        Raises:
+            ValueError: ``attention_mask`` does not cover the cached positions; ``doc_ids`` not
+                ``[B, T]`` or used while decoding; (dynamic cache) more than ``max_length``
+                positions; ``cache_position`` without a static cache.
         """
         B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
         dev = input_ids.device
-        key_padding = None
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
-            if attention_mask.shape[1] == T and start:
-                raise ValueError("attention_mask must cover the cached positions too: [B, start + T]")
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
-            key_padding = attention_mask
-            if cache is not None:
-                cache.key_padding[:, : start + T] = attention_mask
+        if cache is not None and cache.static:
+            cache_position, positions, masks = self._static_inputs(T, cache, cache_position,
+                                                                   attention_mask, doc_ids)
         else:
-            positions = torch.arange(start, start + T, device=dev)[None]
-            if cache is not None:
-                key_padding = cache.key_padding[:, : start + T]
-                if key_padding.all():
-                    key_padding = None
+            if cache_position is not None:
+                raise ValueError("cache_position needs a static cache: model.new_cache(..., static=True)")
+            positions, masks = self._dynamic_inputs(T, cache, attention_mask, doc_ids, dev)
         cos, sin = self.rope(positions)
         cos_full, sin_full = (cos, sin) if self.rope_full is self.rope else self.rope_full(positions)
-        masks = self._masks(T, start, key_padding, doc_ids, dev)
 
         x = self.embeddings(input_ids)
         for block in self.blocks:
             full = block.window is None
-            x = block(x, cos_full if full else cos, sin_full if full else sin, cache, masks[block.window])
+            x = block(x, cos_full if full else cos, sin_full if full else sin, cache,
+                      masks[block.window], cache_position)
         if cache is not None:
-            cache.length = start + T
+            if cache.static:
+                cache.position.copy_(cache_position[-1:] + 1)
+            else:
+                cache.length = cache.length + T
         x = self.norm(x)
         if last_logits_only:
             x = x[:, -1:]
@@ -217,19 +237,66 @@ class Olmo(nn.Module):
         loss, ce, z = lm_loss(logits, labels, self.config.z_loss, loss_normalizer)
         return OlmoOutput(logits, loss, ce, z)
 
-    def _masks(self, T, start, key_padding, doc_ids, dev) -> dict[int | None, torch.Tensor | None]:
-        """One boolean mask per distinct window, or None where SDPA's own causal mask is exact."""
-        windows = {b.window for b in self.blocks}
-        plain = start == 0 and key_padding is None and doc_ids is None
+    def _windows(self) -> set[int | None]:
+        return {b.window for b in self.blocks}
+
+    def _dynamic_inputs(self, T, cache, attention_mask, doc_ids, dev):
+        """RoPE positions ``[B|1, T]`` and one :class:`AttentionMask` per window, reading the
+        filled prefix of a dynamic cache (or no cache)."""
+        start = cache.length if cache is not None else 0
+        key_padding = None
+        if attention_mask is not None:
+            if attention_mask.shape[1] != start + T:
+                raise ValueError(
+                    f"attention_mask must cover the cached positions too: [B, start + T] = "
+                    f"[B, {start + T}], got {tuple(attention_mask.shape)}")
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
+            key_padding = attention_mask
+            if cache is not None:
+                cache.key_padding[:, : start + T] = attention_mask
+                cache.n_pad.copy_((~attention_mask).sum(-1))
+        else:
+            positions = torch.arange(start, start + T, device=dev)[None]
+            if cache is not None:
+                positions = (positions - cache.n_pad[:, None]).clamp_min(0)
+                key_padding = cache.key_padding[:, : start + T]
+                if key_padding.all():
+                    key_padding = None
+        if doc_ids is not None and start:
+            raise ValueError("doc_ids (intra-document masking) is for full forwards, not decoding")
         q_pos = torch.arange(start, start + T, device=dev)
-        k_pos = torch.arange(start + T, device=dev)
-        out = {}
-        for w in windows:
-            if plain and (w is None or T <= w):
-                out[w] = None
-            else:
-                out[w] = build_mask(q_pos, k_pos, w, key_padding, doc_ids)
-        return out
+        masks = {w: AttentionMask(q_pos, start + T, w, key_padding=key_padding, doc_ids=doc_ids)
+                 for w in self._windows()}
+        return positions, masks
+
+    def _static_inputs(self, T, cache, cache_position, attention_mask, doc_ids):
+        """Like :meth:`_dynamic_inputs` for a static cache, also returning the write slots
+        ``cache_position [T]``: queries attend over all ``max_length`` slots, unwritten slots
+        being masked by causality."""
+        dev = cache.position.device
+        if doc_ids is not None:
+            raise ValueError("doc_ids (intra-document masking) is not supported with a static KV cache")
+        if cache_position is None:
+            cache_position = cache.position + torch.arange(T, device=dev)
+        elif cache_position.shape != (T,):
+            raise ValueError(f"cache_position must be [T] = [{T}], got {tuple(cache_position.shape)}")
+        if not torch.compiler.is_compiling() and int(cache_position[-1]) >= cache.max_length:
+            raise ValueError(f"KV cache overflow: {int(cache_position[-1]) + 1} positions > "
+                             f"max_length {cache.max_length}")
+        if attention_mask is not None:
+            S = attention_mask.shape[1]
+            if S < T or S > cache.max_length:
+                raise ValueError(f"attention_mask must cover the cached positions too: got width {S} "
+                                 f"for {T} new tokens and max_length {cache.max_length}")
+            cache.key_padding[:, :S] = attention_mask
+            cache.n_pad.copy_((~attention_mask).sum(-1))
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
+        else:
+            positions = (cache_position[None] - cache.n_pad[:, None]).clamp_min(0)
+        masks = {w: AttentionMask(cache_position, cache.max_length, w, key_padding=cache.key_padding,
+                                  aligned=False)
+                 for w in self._windows()}
+        return cache_position, positions, masks
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -240,15 +307,21 @@ class Olmo(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None) -> Olmo:
+                        dtype: torch.dtype | None = None, device_map: str | None = None,
+                        load_in_8bit: bool = False, quantization: str | None = None) -> Olmo:
         """Load a Hugging Face-format OLMo 2/3 directory (``config.json`` + safetensors).
 
+        ``Olmo.from_pretrained(dir, load_in_8bit=True, device_map="auto")`` works as in OLMo's
+        docs (bitsandbytes int8; ``quantization="torchao"`` for torchao int8 weight-only).
+
         Raises:
-            OlmoflowError: the directory or its files are missing, or the config is not OLMo 2/3.
+            OlmoflowError: the directory or its files are missing, the config is not OLMo 2/3, or
+                8-bit loading was asked for without its library.
         """
         from olmoflow.model.hf import load_hf_dir
 
-        return load_hf_dir(path, device=device, dtype=dtype)
+        return load_hf_dir(path, device=device, dtype=dtype, device_map=device_map,
+                           load_in_8bit=load_in_8bit, quantization=quantization)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the model in Hugging Face format (``config.json``, ``model.safetensors``)."""

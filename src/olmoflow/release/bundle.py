@@ -112,10 +112,10 @@ def build_release(cfg: RunConfig, model, tokenizer, checkpoint: Path, out: Path)
     files = save_hf_dir(model, out, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     tok_dir = run_dir / "tokenizer"
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tok_dir / name).is_file():
-            shutil.copyfile(tok_dir / name, out / name)
-            files.append(out / name)
+    for src in sorted(tok_dir.iterdir()):  # whatever the tokenizer saved (tokenizer.json, ...)
+        if src.is_file() and src.name != "manifest.json" and not src.name.startswith("."):
+            shutil.copyfile(src, out / src.name)
+            files.append(out / src.name)
     metrics = run_dir / "pretrain" / "metrics.jsonl"
     shutil.copyfile(metrics, out / "training_log.jsonl")
     report = json.loads((run_dir / "eval" / "report.json").read_text())

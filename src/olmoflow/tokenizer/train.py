@@ -1,4 +1,5 @@
-"""The ``train-tokenizer`` stage: byte-level BPE trained on the clean documents' texts."""
+"""The ``train-tokenizer`` stage: a tokenizer (byte-level BPE by default) trained on the clean
+documents' texts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from olmoflow.artifacts import StageResult
 from olmoflow.config import TokenizerConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
-from olmoflow.tokenizer.bpe import BPETokenizer
+from olmoflow.tokenizer import BPETokenizer, tokenizer_class
 
 # Compression is measured on the first documents up to this many bytes of text (in-sample: these
 # documents were also trained on; it is a sanity number, not an evaluation).
@@ -53,10 +54,17 @@ def train_tokenizer(
                 sample_bytes += n
             yield text
 
-    tok = BPETokenizer(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
-    tok.train_from_texts(
-        texts(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, progress=progress
-    )
+    cls = tokenizer_class(cfg.implementation)
+    if issubclass(cls, BPETokenizer):
+        tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
+        tok.train_from_texts(
+            texts(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, progress=progress
+        )
+    else:  # a user's tokenizer learns through its _train(files) hook, from the documents file
+        for _ in texts():
+            pass  # counts and the compression sample
+        tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
+        tok.train([str(docs_path)])
     if stats["documents"] == 0:
         raise OlmoflowError(f"no documents to train the tokenizer on in {docs_path}")
     outputs = tok.save(out_dir)

@@ -1,0 +1,168 @@
+"""Export a training checkpoint to a Hugging Face model directory (``olmoflow export hf``).
+
+The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` as
+``Olmo3ForCausalLM`` (``Olmo2ForCausalLM`` when the model has no sliding windows) and with
+``AutoTokenizer.from_pretrained(OUT)`` giving the same token ids as olmoflow's tokenizer.
+
+Accepted sources:
+
+- a step directory of a run (``run_dir/pretrain/stepN``: ``config.yaml`` + ``model_and_optim/``
+  written by :mod:`olmoflow.train.checkpoint`);
+- a checkpoint folder with a ``latest`` pointer (``run_dir/pretrain``): its newest step;
+- a Hugging Face directory (e.g. a release): re-exported, optionally in another dtype.
+
+The tokenizer comes from ``--tokenizer`` when given, else from the run directory's ``tokenizer/``
+(the step directory's grandparent), else its ``release/``, else the source directory itself.
+The directory is assembled under a temporary name beside ``OUT`` and renamed onto it when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from olmoflow.artifacts import atomic_write_json, now, sha256_file
+from olmoflow.errors import OlmoflowError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _is_step_dir(p: Path) -> bool:
+    return (p / "model_and_optim").is_dir() and (p / "config.yaml").is_file()
+
+
+def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
+    """``("step", dir)`` for a training step directory, ``("hf", dir)`` for a Hugging Face one.
+
+    Raises:
+        OlmoflowError: the path is missing or is neither kind.
+    """
+    p = Path(checkpoint)
+    if not p.exists():
+        raise OlmoflowError(f"checkpoint '{p}' does not exist")
+    if not p.is_dir():
+        raise OlmoflowError(f"checkpoint '{p}' is not a directory (expected run_dir/pretrain/stepN)")
+    if _is_step_dir(p):
+        return "step", p
+    if (p / "latest").is_file():
+        step = p / (p / "latest").read_text().strip()
+        if _is_step_dir(step):
+            return "step", step
+    if (p / "config.json").is_file():
+        return "hf", p
+    raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml and "
+                        "model_and_optim/ (e.g. run_dir/pretrain/step450) or a Hugging Face directory")
+
+
+def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) -> Path:
+    """The directory holding ``tokenizer.json`` for ``src`` (see the module docstring for the order).
+
+    Raises:
+        OlmoflowError: none found (the message lists where it looked).
+    """
+    if tokenizer is not None:
+        cands = [Path(tokenizer)]
+    elif kind == "step":
+        run_dir = src.resolve().parent.parent
+        cands = [run_dir / "tokenizer", run_dir / "release"]
+    else:
+        cands = [src]
+    for c in cands:
+        if (c / "tokenizer.json").is_file():
+            return c
+    raise OlmoflowError(f"no tokenizer.json in {', '.join(repr(str(c)) for c in cands)}; "
+                        "pass --tokenizer DIR")
+
+
+def load_step_model(step: Path, tokenizer_vocab: int):
+    """The :class:`Olmo` of a step directory: its ``config.yaml`` shape, weights from
+    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32)."""
+    from olmoflow.config import load_config
+    from olmoflow.model.olmo import Olmo
+    from olmoflow.train.checkpoint import load_model
+
+    cfg = load_config(str(step / "config.yaml"))
+    mc = cfg.model
+    if mc.vocab_size <= 0:
+        mc = replace(mc, vocab_size=mc.padded_vocab_size(tokenizer_vocab))
+    with torch.device("meta"):
+        model = Olmo(mc)
+    model = model.to_empty(device="cpu")
+    try:
+        load_model(step, model)
+    except Exception as e:  # dcp raises a variety of errors for damaged or mismatched checkpoints
+        raise OlmoflowError(f"cannot load the weights of '{step}': "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return model.eval()
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
+              dtype: str | None = None, force: bool = False) -> Path:
+    """Write a Hugging Face model directory for ``checkpoint`` at ``out``; returns ``out``.
+
+    Args:
+        checkpoint: a step directory, a checkpoint folder with ``latest``, or a HF directory.
+        out: the directory to create; it must not exist (or be empty) unless ``force``.
+        tokenizer: directory with ``tokenizer.json`` (default: found next to the checkpoint).
+        dtype: ``float32``/``bfloat16``/``float16`` for the saved weights (default: as stored).
+        force: replace an existing non-empty ``out``.
+    Raises:
+        OlmoflowError: bad paths, unknown dtype, or a checkpoint that does not load.
+    """
+    from olmoflow.model.hf import save_hf_dir
+    from olmoflow.tokenizer import Tokenizer
+
+    if dtype is not None and dtype not in DTYPES:
+        raise OlmoflowError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
+    kind, src = resolve_source(checkpoint)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise OlmoflowError(f"output '{out}' exists and is not empty; pass --force to replace it")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise OlmoflowError(f"output '{out}' must not be inside the checkpoint '{src}'")
+    tok_dir = find_tokenizer(kind, src, tokenizer)
+    tok = Tokenizer.from_pretrained(tok_dir)
+    if kind == "step":
+        model = load_step_model(src, tok.vocab_size)
+    else:
+        from olmoflow.model.olmo import Olmo
+
+        model = Olmo.from_pretrained(src)
+    if model.config.vocab_size < tok.vocab_size:
+        raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
+                            f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        files = save_hf_dir(model, tmp, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            dtype=DTYPES[dtype] if dtype else None)
+        for name in TOKENIZER_FILES:
+            if (tok_dir / name).is_file():
+                shutil.copyfile(tok_dir / name, tmp / name)
+                files.append(tmp / name)
+        atomic_write_json(tmp / "export_manifest.json", {
+            "command": "olmoflow export hf",
+            "source": str(src.resolve()), "source_kind": kind, "tokenizer": str(tok_dir.resolve()),
+            "architecture": "Olmo3ForCausalLM" if model.config.sliding_window else "Olmo2ForCausalLM",
+            "parameters": model.num_params(), "created": now(),
+            "files": {f.name: sha256_file(f) for f in files},
+        })
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,91 @@
+"""Sampling extensions: CTRL repetition penalty (matches transformers), stop strings, no leaks."""
+
+import pytest
+import torch
+
+from olmoflow.infer.generate import apply_repetition_penalty, generate, iter_tokens
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.olmo import Olmo
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                      max_sequence_length=128, sliding_window=8)
+    return Olmo(cfg).eval()
+
+
+def test_repetition_penalty_formula_matches_transformers():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 11), torch.randint(0, 11, (2, 6))
+    seen = torch.zeros(2, 11, dtype=torch.bool).scatter_(1, ids, True)
+    ref = tf.RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.7), ref)
+
+
+def test_repetition_penalty_greedy_matches_transformers(model, tmp_path):
+    tf = pytest.importorskip("transformers")
+    model.save_pretrained(tmp_path)
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(1))
+    ours = generate(model, ids, max_new_tokens=20, repetition_penalty=1.5)
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                      min_new_tokens=20, repetition_penalty=1.5, pad_token_id=0)
+    assert torch.equal(ours, ref)
+    assert not torch.equal(ours, generate(model, ids, max_new_tokens=20))  # the penalty matters
+
+
+def test_repetition_penalty_ignores_left_padding(model):
+    ids = torch.tensor([[3, 3, 9, 4]])
+    padded = torch.tensor([[7, 7, 3, 3, 9, 4]])  # 7 is a pad: it must not be penalised
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    a = generate(model, ids, max_new_tokens=10, repetition_penalty=1.3)[0, 4:]
+    b = generate(model, padded, attention_mask=mask, max_new_tokens=10, repetition_penalty=1.3)[0, 6:]
+    assert torch.equal(a, b)
+
+
+def test_stop_strings_keep_the_stop_and_fill(bpe, scripted):
+    row0 = bpe.encode("one two STOP three four five six")
+    row1 = bpe.encode("a b c d e f g h i j k l m n o p q r s")
+    n = max(len(row0), len(row1))
+    model = scripted([row0, row1], bpe.vocab_size)
+    out = generate(model, torch.zeros(2, 1, dtype=torch.long), max_new_tokens=n,
+                   stop_strings=["STOP", "never"], tokenizer=bpe, pad_token_id=bpe.pad_token_id)
+    text0 = bpe.decode(out[0, 1:])  # pads are special tokens: skipped
+    assert text0 == "one two STOP"  # kept, as in transformers; nothing after it
+    assert bpe.decode(out[1, 1:]) == bpe.decode(row1[: out.shape[1] - 1])
+    single = generate(scripted([row0], bpe.vocab_size), torch.zeros(1, 1, dtype=torch.long),
+                      max_new_tokens=n, stop_strings=["STOP"], tokenizer=bpe)
+    assert bpe.decode(single[0, 1:]) == "one two STOP" and single.shape[1] < 1 + n
+
+
+def test_stop_string_split_inside_a_character(bpe, scripted):
+    ids = bpe.encode("ab 😀 cd 😀 ef")
+    out = generate(scripted([ids], bpe.vocab_size), torch.zeros(1, 1, dtype=torch.long),
+                   max_new_tokens=len(ids), stop_strings=["😀 c"], tokenizer=bpe)
+    assert bpe.decode(out[0, 1:]) == "ab 😀 c"
+
+
+def test_argument_errors(model):
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(model, ids, stop_strings=["x"])
+    with pytest.raises(ValueError, match="pad_token_id"):
+        generate(model, ids, stop_strings=["x"], tokenizer=object())
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate(model, ids, repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        iter_tokens(model, ids, temperature=-1.0)  # eager, before any step
+
+
+def test_iterator_does_not_leak_inference_mode_or_eval(model):
+    model.train()
+    steps = iter_tokens(model, torch.ones(1, 3, dtype=torch.long), max_new_tokens=3)
+    first = next(steps)
+    assert not torch.is_inference_mode_enabled() and not model.training
+    rest = list(steps)
+    assert len(rest) == 2 and first.shape == (1,)
+    assert model.training
+    model.eval()

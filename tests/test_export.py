@@ -1,0 +1,126 @@
+"""``olmoflow export hf`` and ``olmoflow model info``: a training step directory becomes a directory
+that ``transformers`` loads (model and tokenizer) and that gives our logits; bad input is one line
+on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from olmoflow.cli import main
+
+transformers = pytest.importorskip("transformers", reason="transformers is the consumer of the export")
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc: int, err: str, *fragments: str) -> None:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("olmoflow: error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A tiny pretraining run (4 steps, checkpoints at steps 2 and 4): ~5 s."""
+    run = tmp_path_factory.mktemp("run")
+    rc = main(["run", "tiny", "--run-dir", str(run), "--no-progress", "train.max_steps=4",
+               "train.save_interval=2"])
+    assert rc == 0
+    assert (run / "pretrain" / "step4" / "model_and_optim").is_dir()
+    return run
+
+
+def test_model_info_prints_the_table(capsys):
+    rc, out, _ = cli(capsys, "model", "info", "olmo2_7b")
+    assert rc == 0
+    for fragment in ("| d_model ", "4096", "11008", "7,298,617,344", "13.59 GiB", "100352"):
+        assert fragment in out, fragment
+    rc, out, _ = cli(capsys, "model", "list")
+    assert rc == 0 and "olmo3_32b" in out and "32,234,279,936" in out
+
+
+def test_model_info_unknown_preset(capsys):
+    rc, _, err = cli(capsys, "model", "info", "olmo3_7bb")
+    one_line_error(rc, err, "unknown model preset 'olmo3_7bb'", "'olmo3_7b'")
+
+
+def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
+    from olmoflow.config import load_config
+    from olmoflow.stages import load_trained_model
+    from olmoflow.tokenizer import Tokenizer
+
+    out = tmp_path / "hf"
+    rc, stdout, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain" / "step4"), str(out))
+    assert rc == 0, err
+    assert "exported" in stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary dir left behind"
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Olmo3ForCausalLM"  # the tiny preset has sliding windows
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    ours_tok = Tokenizer.from_pretrained(tiny_run / "tokenizer")
+    text = "def main():\n    return 'hello world'  # 42"
+    ids = ours_tok(text, return_tensors="pt").input_ids
+    assert hf_tok(text, return_tensors="pt").input_ids.tolist() == ids.tolist()
+
+    cfg = load_config(str(tiny_run / "pretrain" / "step4" / "config.yaml"))
+    model, _, ckpt = load_trained_model(cfg)
+    assert ckpt.name == "step4"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    gen = hf.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    assert gen.shape == (1, ids.shape[1] + 8)
+    assert torch.equal(gen, model.generate(ids, max_new_tokens=8))  # greedy: the same tokens
+    manifest = json.loads((out / "export_manifest.json").read_text())
+    assert manifest["source_kind"] == "step" and "model.safetensors" in manifest["files"]
+
+
+def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
+    """The run's checkpoint folder resolves through ``latest``; --dtype bfloat16 writes bf16."""
+    out = tmp_path / "bf16"
+    rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain"), str(out), "--dtype", "bfloat16")
+    assert rc == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "olmo3"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert hf.lm_head.weight.dtype == torch.bfloat16
+    # Re-exporting a Hugging Face directory (e.g. a release) keeps the weights bit-identical.
+    again = tmp_path / "again"
+    rc, _, err = cli(capsys, "export", "hf", str(out), str(again))
+    assert rc == 0, err
+    from olmoflow.model.olmo import Olmo
+
+    a, b = Olmo.from_pretrained(out).state_dict(), Olmo.from_pretrained(again).state_dict()
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
+
+
+def test_export_bad_inputs(tiny_run, tmp_path, capsys):
+    step = str(tiny_run / "pretrain" / "step2")
+    rc, _, err = cli(capsys, "export", "hf", str(tmp_path / "missing"), str(tmp_path / "o"))
+    one_line_error(rc, err, "does not exist")
+    rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "collect"), str(tmp_path / "o"))
+    one_line_error(rc, err, "is not a checkpoint")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    rc, _, err = cli(capsys, "export", "hf", step, str(busy))
+    one_line_error(rc, err, "not empty", "--force")
+    assert (busy / "keep.txt").read_text() == "x"
+    rc, _, err = cli(capsys, "export", "hf", step, str(busy), "--force")
+    assert rc == 0, err
+    assert (busy / "config.json").is_file() and not (busy / "keep.txt").exists()
+    rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"), "--dtype", "fp8")
+    one_line_error(rc, err, "unknown dtype 'fp8'")
+    rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"), "--tokenizer", str(tmp_path))
+    one_line_error(rc, err, "no tokenizer.json")
+    assert not (tmp_path / "o").exists()
