@@ -154,7 +154,7 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         values["run_dir"] = args.run_dir
     if getattr(args, "prompt", None):
         values["generate.prompts"] = args.prompt
-    if getattr(args, "max_new_tokens", None):
+    if getattr(args, "max_new_tokens", None) is not None:
         values["generate.max_new_tokens"] = args.max_new_tokens
     cfg = load_config(args.config, args.overrides, values)
     stages = None if args.verb == "run" else [args.verb]

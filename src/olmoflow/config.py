@@ -95,6 +95,13 @@ class TrainConfig:
             raise unknown_name_error("train.schedule", self.schedule, SCHEDULES)
         if self.sequence_length < 1 or self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise OlmoflowError("train.sequence_length, global_batch_size and micro_batch_size must be >= 1")
+        if self.max_steps < 1:
+            raise OlmoflowError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise OlmoflowError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                                f"train.micro_batch_size={self.micro_batch_size}")
+        if self.lr <= 0 or self.warmup_steps < 0:
+            raise OlmoflowError("train.lr must be > 0 and train.warmup_steps >= 0")
 
 
 @dataclass
@@ -143,6 +150,18 @@ class RunConfig:
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    def __post_init__(self) -> None:
+        # Checks across sections, made before any stage runs (not after minutes of training).
+        if not str(self.run_dir).strip():
+            raise OlmoflowError("run_dir is empty")
+        limit = self.model.max_sequence_length
+        if self.train.sequence_length > limit:
+            raise OlmoflowError(f"train.sequence_length={self.train.sequence_length} exceeds "
+                                f"model.max_sequence_length={limit}")
+        if (self.evaluate.sequence_length or 0) > limit:
+            raise OlmoflowError(f"evaluate.sequence_length={self.evaluate.sequence_length} exceeds "
+                                f"model.max_sequence_length={limit}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,6 +216,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         raise OlmoflowError(f"config key '{key}' expects true/false, got {value!r}")
     if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
@@ -224,7 +248,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             )
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
-            kwargs[k] = _build(tp, v or {}, f"{prefix}{k}.")
+            if v is None:
+                raise OlmoflowError(f"config section '{prefix}{k}' is empty (null); give its keys "
+                                    "or leave it out")
+            kwargs[k] = _build(tp, v, f"{prefix}{k}.")
         else:
             kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
     return cls(**kwargs)
@@ -237,7 +264,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise OlmoflowError(f"config override '{key}': '{p}' is not a section")
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    if isinstance(old, dict) and isinstance(value, dict):  # "train={max_steps: 1}" merges
+        node[parts[-1]] = {**old, **value}
+    else:
+        node[parts[-1]] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -289,6 +320,9 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
             raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(tree, dict):
+            raise OlmoflowError(f"{path}: the top level must be a mapping of sections, "
+                                f"got a {type(tree).__name__}")
     for ov in overrides or []:
         key, value = parse_override(ov)
         _set_dotted(tree, key, value)

@@ -27,6 +27,7 @@ from olmoflow.artifacts import (
     write_manifest,
 )
 from olmoflow.config import RunConfig, dump_config
+from olmoflow.errors import OlmoflowError
 from olmoflow.stages import BY_NAME, RUNNERS, STAGES, stage_dir
 
 FINGERPRINT = ".fingerprint"
@@ -77,7 +78,12 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / FINGERPRINT, fp)
     started, t0 = now(), time.time()
-    result: StageResult = RUNNERS[name](cfg, progress)
+    try:
+        result: StageResult = RUNNERS[name](cfg, progress)
+    except OlmoflowError:
+        if not resuming:  # leave no empty or half-made stage directory behind a user error
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     secs = time.time() - t0
     write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
                    fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
@@ -115,6 +121,8 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
                  force: bool = False) -> list[tuple[str, str, float, dict[str, Any]]]:
     """Run the flow (all stages, or ``stages``), printing a line per stage and a summary table."""
     run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OlmoflowError(f"run_dir '{run_dir}' exists and is not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     rows = []

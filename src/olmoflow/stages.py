@@ -87,7 +87,14 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
         raise OlmoflowError(
             f"the held-out split is empty: the corpus has {result.counts.get('train_documents', 0)} "
             "document(s) and held-out documents are whole documents; give at least 2 documents "
-            "(e.g. a directory of .txt files or a .jsonl file) or raise tokenize.heldout_fraction"
+            "(e.g. a directory of .txt files or a .jsonl file)"
+        )
+    seq = cfg.evaluate.sequence_length or cfg.train.sequence_length
+    if result.counts["heldout_tokens"] < seq + 1:
+        raise OlmoflowError(
+            f"the held-out split has {result.counts['heldout_tokens']} tokens, fewer than one "
+            f"evaluation window of {seq + 1}; raise tokenize.heldout_fraction (or "
+            "tokenize.heldout_max_documents), add data, or lower evaluate.sequence_length"
         )
     return result
 
@@ -127,6 +134,13 @@ def build_model(cfg: RunConfig, tokenizer_vocab: int):
     return Olmo(mc)
 
 
+def model_inputs(cfg: RunConfig, ckpt: Path) -> list[Path]:
+    """The files a model-consuming stage reads: the checkpoint's and the tokenizer's."""
+    tok_dir = stage_dir(cfg, "train-tokenizer")
+    return (sorted(p for p in ckpt.rglob("*") if p.is_file())
+            + sorted(p for p in tok_dir.iterdir() if p.is_file() and p.name != MANIFEST))
+
+
 def load_trained_model(cfg: RunConfig):
     """The model at the final pretraining checkpoint (``pretrain/latest``)."""
     from olmoflow.train.checkpoint import load_model, resolve_checkpoint
@@ -151,7 +165,7 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
     trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
     summary = trainer.fit()
     final = Path(summary["checkpoint"])
-    outputs = sorted(p for p in final.rglob("*") if p.is_file()) + [out / METRICS]
+    outputs = sorted(p for p in final.rglob("*") if p.is_file()) + [out / METRICS, out / "latest"]
     counts = {**summary, "parameters": model.num_params(), "instances": len(dataset),
               "epochs": round(summary["tokens"] / max(dataset.total_tokens, 1), 3)}
     return StageResult(inputs=paths, outputs=outputs, counts=counts)
@@ -178,15 +192,19 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
         f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in report.items()
     ]
     atomic_write_text(out / "report.md", "# Held-out evaluation\n\n" + "\n".join(md) + "\n")
-    return StageResult(inputs=paths, outputs=[out / "report.json", out / "report.md"], counts=report)
+    return StageResult(inputs=paths + model_inputs(cfg, ckpt), outputs=[out / "report.json", out / "report.md"],
+                       counts=report)
 
 
 def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
     model, tok, ckpt = load_trained_model(cfg)
     g = cfg.generate
     samples = []
+    if g.max_new_tokens < 0:
+        raise OlmoflowError(f"generate.max_new_tokens must be >= 0, got {g.max_new_tokens}")
     for i, prompt in enumerate(g.prompts):
-        ids = tok(prompt, return_tensors="pt").input_ids
+        # An empty prompt starts a fresh document: the model's context is a document boundary.
+        ids = torch.tensor([tok.encode(prompt) or [tok.eos_token_id]])
         out = model.generate(ids, max_new_tokens=g.max_new_tokens, do_sample=g.temperature > 0,
                              temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                              eos_token_id=tok.eos_token_id, seed=g.seed + i,
@@ -194,7 +212,7 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, "generate")
     atomic_write_text(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-    return StageResult(inputs=[], outputs=[out_dir / "samples.jsonl"],
+    return StageResult(inputs=model_inputs(cfg, ckpt), outputs=[out_dir / "samples.jsonl"],
                        counts={"samples": len(samples), "checkpoint": ckpt.name})
 
 

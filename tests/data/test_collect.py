@@ -72,7 +72,10 @@ def test_stdlib_corpus(stdlib_runs):
     result, out = stdlib_runs[0]
     docs = list(read_documents(out / DOCUMENTS))
     assert len(docs) > 300 and result.counts["documents"] == len(docs)
-    assert result.inputs == [] and result.counts["python_version"]
+    assert result.counts["python_version"]
+    # every module source read is an input (hashed into the manifest), and no test suite is
+    assert len(result.inputs) == result.counts["per_source"]["stdlib"]
+    assert all(p.suffix == ".py" and "test" not in p.parts for p in result.inputs)
     per = result.counts["per_source"]
     assert per["stdlib"] > 300 and per["pydoc_topics"] > 20
     assert sum(per.values()) == len(docs)

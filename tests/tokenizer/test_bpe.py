@@ -68,13 +68,15 @@ def test_specials_and_vocab(tok):
     assert tok.encode("", add_eos=True) == [tok.eos_token_id]
 
 
-def test_special_token_text_in_user_input(tok):
-    # Chosen behaviour (as tokenizers/transformers): the literal string maps to the EOS id.
-    text = "before<|endoftext|>after"
+def test_special_token_text_in_user_input_is_ordinary_text(tok, tmp_path):
+    # A document cannot forge a boundary: literal special-token strings are plain text.
+    text = "before<|endoftext|>after <|pad|>"
     ids = tok.encode(text, add_eos=True)
-    assert ids.count(tok.eos_token_id) == 2 and ids[-1] == tok.eos_token_id
-    assert tok.decode(ids[:-1], skip_special_tokens=False) == text
-    assert tok.decode(ids) == "beforeafter"
+    assert ids.count(tok.eos_token_id) == 1 and ids[-1] == tok.eos_token_id
+    assert tok.pad_token_id not in ids
+    assert tok.decode(ids) == text
+    tok.save(tmp_path / "t")
+    assert type(tok).from_pretrained(tmp_path / "t").encode(text) == ids[:-1]
 
 
 def test_encode_batch_matches_encode(tok):
@@ -198,7 +200,7 @@ def test_transformers_parity(tok, tmp_path):
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     assert auto.eos_token == "<|endoftext|>" and auto.pad_token == "<|pad|>"
     assert auto.eos_token_id == tok.eos_token_id and auto.pad_token_id == tok.pad_token_id
-    for text in ROUND_TRIP + ["a <|endoftext|> b", "x ."]:
+    for text in ROUND_TRIP + ["x ."]:
         ids = tok.encode(text)
         assert fast(text, add_special_tokens=False)["input_ids"] == ids
         assert auto(text, add_special_tokens=False)["input_ids"] == ids

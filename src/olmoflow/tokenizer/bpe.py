@@ -4,10 +4,11 @@ The pipeline is GPT-2 style and lossless: no normalizer, a ByteLevel pre-tokeniz
 GPT-2 regex) and a ByteLevel decoder, so ``decode(encode(t)) == t`` for any text. Training seeds the
 vocabulary with all 256 byte symbols, so no input is ever unknown.
 
-Special tokens in user text: like ``tokenizers`` (and ``transformers``), the literal string
-``<|endoftext|>`` inside a text is matched as the EOS token, not split into ordinary tokens. This
-keeps our ids identical to ``PreTrainedTokenizerFast`` on the saved files. Decoding such ids with
-``skip_special_tokens=False`` gives the text back.
+Special tokens in user text: the literal string ``<|endoftext|>`` (or ``<|pad|>``) inside a
+document is encoded as ordinary text, never as the special id (``tokenizers``'
+``encode_special_tokens``), so a document cannot forge a document boundary and every text
+round-trips. Only olmoflow itself inserts EOS (``add_eos``). ``transformers``' tokenizer on the saved
+files gives the same ids for every text without such literals.
 
 Files (the Hugging Face layout, so ``AutoTokenizer.from_pretrained(dir)`` loads them):
 ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.
@@ -58,6 +59,8 @@ class BPETokenizer(BaseTokenizer):
     ) -> None:
         super().__init__(eos_token, pad_token, model_max_length)
         self._tok = tokenizer
+        if tokenizer is not None:
+            tokenizer.encode_special_tokens = True  # see the module docstring
         self.train_vocab_size = vocab_size
         self.min_frequency = min_frequency
         self._byte_lengths: np.ndarray | None = None
@@ -107,6 +110,7 @@ class BPETokenizer(BaseTokenizer):
             show_progress=progress,
         )
         tok.train_from_iterator(texts, trainer=trainer, length=length)
+        tok.encode_special_tokens = True  # see the module docstring
         self._tok = tok
         self._byte_lengths = None
         self.train_vocab_size, self.min_frequency = vocab_size, min_frequency

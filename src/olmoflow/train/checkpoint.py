@@ -78,9 +78,14 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     save_folder = Path(save_folder)
     if resume_from == LATEST:
         pointer = save_folder / LATEST
-        if not pointer.is_file():
+        if pointer.is_file() and (save_folder / pointer.read_text().strip() / "trainer_state.pt").is_file():
+            return save_folder / pointer.read_text().strip()
+        # The pointer is written last; without it, the newest complete step directory is latest.
+        steps = [p for p in save_folder.glob("step*")
+                 if p.name[4:].isdigit() and (p / "trainer_state.pt").is_file()]
+        if not steps:
             raise OlmoflowError(f"resume_from=latest but '{save_folder}' has no complete checkpoint")
-        return save_folder / pointer.read_text().strip()
+        return max(steps, key=lambda p: int(p.name[4:]))
     p = Path(resume_from)
     for cand in (p, save_folder / p):
         if (cand / "trainer_state.pt").is_file():
