@@ -89,3 +89,13 @@ def test_iterator_does_not_leak_inference_mode_or_eval(model):
     assert len(rest) == 2 and first.shape == (1,)
     assert model.training
     model.eval()
+
+
+def test_tokenizer_supplies_eos_and_pad_defaults(bpe, scripted):
+    row0 = bpe.encode("one two STOP three")
+    row1 = bpe.encode("a b c d e f")
+    out = generate(scripted([row0, row1], bpe.vocab_size), torch.zeros(2, 1, dtype=torch.long),
+                   max_new_tokens=max(len(row0), len(row1)), stop_strings=["STOP"], tokenizer=bpe)
+    assert bpe.decode(out[0, 1:]) == "one two STOP"
+    stopped_at = len(bpe.encode("one two STOP")) + 1
+    assert (out[0, stopped_at:] == bpe.pad_token_id).all()  # filled with the tokenizer's pad id

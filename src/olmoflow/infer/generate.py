@@ -100,6 +100,9 @@ def iter_tokens(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    if tokenizer is not None:  # a tokenizer knows its EOS and pad ids
+        eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        pad_token_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     stops = [s for s in (stop_strings or []) if s]
     if stops and tokenizer is None:
         raise ValueError("stop_strings need tokenizer= to decode the continuation")
@@ -233,6 +236,7 @@ def generate(
             output (the tokens up to and including the one completing it), as in ``transformers``;
             trim it from the decoded text yourself if unwanted.
         tokenizer: anything with ``decode(ids, skip_special_tokens=...)``; needed by stop_strings.
+            When given, its ``eos_token_id``/``pad_token_id`` are the defaults for those arguments.
         seed: seeds a private generator so sampling is reproducible.
         vocab_size: never emit ids at or above it. The embedding is padded past the tokenizer's
             vocabulary (to a multiple of 128, as OLMo does); those rows are never trained, so a
