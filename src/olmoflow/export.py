@@ -28,7 +28,6 @@ import torch
 from olmoflow.artifacts import atomic_write_json, now, sha256_file
 from olmoflow.errors import OlmoflowError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -116,7 +115,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
         OlmoflowError: bad paths, unknown dtype, or a checkpoint that does not load.
     """
     from olmoflow.model.hf import save_hf_dir
-    from olmoflow.tokenizer import Tokenizer
+    from olmoflow.tokenizer import Tokenizer, copy_tokenizer_files
 
     if dtype is not None and dtype not in DTYPES:
         raise OlmoflowError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
@@ -143,10 +142,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     try:
         files = save_hf_dir(model, tmp, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                             dtype=DTYPES[dtype] if dtype else None)
-        for name in TOKENIZER_FILES:
-            if (tok_dir / name).is_file():
-                shutil.copyfile(tok_dir / name, tmp / name)
-                files.append(tmp / name)
+        files += copy_tokenizer_files(tok_dir, tmp)
         atomic_write_json(tmp / "export_manifest.json", {
             "command": "olmoflow export hf",
             "source": str(src.resolve()), "source_kind": kind, "tokenizer": str(tok_dir.resolve()),

@@ -143,13 +143,12 @@ def model_inputs(cfg: RunConfig, ckpt: Path) -> list[Path]:
 
 def load_trained_model(cfg: RunConfig):
     """The model at the final pretraining checkpoint (``pretrain/latest``)."""
-    from olmoflow.train.checkpoint import load_model, resolve_checkpoint
+    from olmoflow.export import load_step_model
+    from olmoflow.train.checkpoint import resolve_checkpoint
 
     tok = load_tokenizer(cfg)
-    model = build_model(cfg, tok.vocab_size)
     path = resolve_checkpoint(stage_dir(cfg, "pretrain"), "latest")
-    load_model(path, model)
-    return model.eval(), tok, path
+    return load_step_model(path, tok.vocab_size), tok, path
 
 
 def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:

@@ -24,6 +24,7 @@ from olmoflow.artifacts import (
 )
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.model.hf import save_hf_dir
+from olmoflow.tokenizer import copy_tokenizer_files
 
 DATA_STAGES = ("collect", "clean", "train-tokenizer", "tokenize")
 
@@ -112,10 +113,7 @@ def build_release(cfg: RunConfig, model, tokenizer, checkpoint: Path, out: Path)
     files = save_hf_dir(model, out, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     tok_dir = run_dir / "tokenizer"
-    for src in sorted(tok_dir.iterdir()):  # whatever the tokenizer saved (tokenizer.json, ...)
-        if src.is_file() and src.name != "manifest.json" and not src.name.startswith("."):
-            shutil.copyfile(src, out / src.name)
-            files.append(out / src.name)
+    files += copy_tokenizer_files(tok_dir, out)
     metrics = run_dir / "pretrain" / "metrics.jsonl"
     shutil.copyfile(metrics, out / "training_log.jsonl")
     report = json.loads((run_dir / "eval" / "report.json").read_text())

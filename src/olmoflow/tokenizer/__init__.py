@@ -4,6 +4,10 @@
 (an OLMo release, for instance).
 """
 
+import os
+import shutil
+from pathlib import Path
+
 from olmoflow.tokenizer.base import BaseTokenizer, BatchEncoding
 from olmoflow.tokenizer.bpe import BPETokenizer
 
@@ -38,4 +42,17 @@ def tokenizer_class(implementation: str) -> type[BaseTokenizer]:
     return cls
 
 
-__all__ = ["BaseTokenizer", "BatchEncoding", "BPETokenizer", "Tokenizer", "tokenizer_class"]
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[Path]:
+    """Copy every file a tokenizer saved in ``src`` (``tokenizer.json``, ``tokenizer_config.json``,
+    ... or a custom tokenizer's own files) into ``dst``; returns the copies. Manifests and hidden
+    temporary files are not tokenizer files and stay behind."""
+    out = []
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.name != "manifest.json" and not f.name.startswith("."):
+            shutil.copyfile(f, Path(dst) / f.name)
+            out.append(Path(dst) / f.name)
+    return out
+
+
+__all__ = ["BaseTokenizer", "BatchEncoding", "BPETokenizer", "Tokenizer", "copy_tokenizer_files",
+           "tokenizer_class"]
