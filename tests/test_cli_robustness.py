@@ -94,3 +94,10 @@ def test_deleted_latest_pointer_is_repaired(run, capsys):
     assert (run / "pretrain" / "latest").read_text().strip() == "step4"
     rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(run), "--force", *FAST)
     assert rc == 0, err
+
+
+def test_failed_first_stage_leaves_no_run_dir(tmp_path, capsys):
+    run = tmp_path / "nothing"
+    rc, _, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "hi", "--no-progress")
+    assert_one_line_error(rc, err, "run 'olmoflow")
+    assert not run.exists()

@@ -123,14 +123,20 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise OlmoflowError(f"run_dir '{run_dir}' exists and is not a directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    created = not run_dir.exists()
     rows = []
     names = stages or [s.name for s in STAGES]
-    for name in names:
-        status, secs, counts = run_stage(cfg, name, progress=progress, force=force)
-        print(f"[{name}] {status} in {secs:.1f}s: {_headline(name, counts)}", flush=True)
-        rows.append((name, status, secs, counts))
+    try:
+        for name in names:
+            status, secs, counts = run_stage(cfg, name, progress=progress, force=force)
+            print(f"[{name}] {status} in {secs:.1f}s: {_headline(name, counts)}", flush=True)
+            rows.append((name, status, secs, counts))
+            if len(rows) == 1:  # the run exists once a stage is done: record its resolved config
+                atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    except OlmoflowError:
+        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a run that failed before its first stage leaves nothing behind
+        raise
     if len(names) > 1:
         print_summary(rows, run_dir)
     return rows

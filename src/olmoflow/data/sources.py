@@ -214,6 +214,8 @@ def _jsonl_docs(task: _Task, cfg: CollectConfig, tally: _Tally) -> Iterator[dict
         with (gzip.open if gz else open)(task.path, "rb") as f:
             # A line cut by gzip damage is never seen: readline raises before returning it.
             for lineno, raw in enumerate(f, 1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors) is not part of the JSON
                 if not raw.strip():
                     continue
                 obj, reason = parse_jsonl_line(raw, cfg.text_field)
