@@ -99,3 +99,23 @@ def test_tokenizer_supplies_eos_and_pad_defaults(bpe, scripted):
     assert bpe.decode(out[0, 1:]) == "one two STOP"
     stopped_at = len(bpe.encode("one two STOP")) + 1
     assert (out[0, stopped_at:] == bpe.pad_token_id).all()  # filled with the tokenizer's pad id
+
+
+def test_compiled_static_cache_decode_matches_eager(model):
+    # aot_eager keeps the test fast on CPU; the code path (static cache, compiled decode) is the same.
+    prompts = torch.randint(0, model.config.vocab_size, (2, 7))
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0  # left padding in row 1
+    eager = generate(model, prompts, attention_mask=mask, max_new_tokens=12)
+    compiled = generate(model, prompts, attention_mask=mask, max_new_tokens=12, compile="aot_eager")
+    assert torch.equal(eager, compiled)
+    again = generate(model, prompts, attention_mask=mask, max_new_tokens=12, compile="aot_eager")
+    assert torch.equal(again, eager)  # the cached compiled module is reused
+
+
+def test_model_still_deepcopies_after_compiled_decode(model):
+    import copy
+
+    generate(model, torch.randint(0, 61, (1, 4)), max_new_tokens=2, compile="aot_eager")
+    clone = copy.deepcopy(model)
+    assert torch.equal(clone.lm_head.weight, model.lm_head.weight)

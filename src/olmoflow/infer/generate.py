@@ -14,6 +14,7 @@ is no padding (no per-step mask concatenation, no cumulative-sum positions).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -88,6 +89,7 @@ def iter_tokens(
     tokenizer: Any = None,
     seed: int | None = None,
     vocab_size: int | None = None,
+    compile: bool | str = False,
 ) -> Iterator[torch.Tensor]:
     """Like :func:`generate`, but an iterator over the new tokens: one ``[B]`` long tensor per step.
 
@@ -116,11 +118,13 @@ def iter_tokens(
     if vocab_size is None and tokenizer is not None and hasattr(tokenizer, "vocab_size"):
         vocab_size = tokenizer.vocab_size
     return _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
-                   repetition_penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size)
+                   repetition_penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size,
+                   _compiled_decoder(model, compile))
 
 
 def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
-            penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size) -> Iterator[torch.Tensor]:
+            penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size,
+            compiled) -> Iterator[torch.Tensor]:
     if n_new == 0:
         return
     B, T = input_ids.shape
@@ -145,7 +149,8 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
         # Inference mode only around the compute: it must not leak to the caller between yields.
         nonlocal cache, seen
         if nxt is None:
-            cache = model.new_cache(B, T + n_new)
+            cache = (model.new_cache(B, T + n_new, static=True) if compiled is not None
+                     else model.new_cache(B, T + n_new))
             mask = full_mask[:, :T] if full_mask is not None else None
             logits = model(input_ids, attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
             if penalty != 1.0:
@@ -156,7 +161,10 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
             mask = full_mask[:, : T + i] if full_mask is not None else None
-            logits = model(nxt[:, None], attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
+            if compiled is not None:  # static cache: same shapes every step, one compiled graph
+                logits = compiled(nxt[:, None], cache=cache, last_logits_only=True).logits[:, -1]
+            else:
+                logits = model(nxt[:, None], attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits[:, vocab_size:] = float("-inf")
         if seen is not None:
@@ -183,6 +191,21 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
                 break
     finally:
         model.train(was_training)
+
+
+def _compiled_decoder(model, compile: bool | str):
+    """``torch.compile(model)`` for decode steps, cached on the model per backend; None when off."""
+    if not compile:
+        return None
+    backend = "inductor" if compile is True else str(compile)
+    # Kept beside the model, not on it: a compiled wrapper inside the module would break deepcopy.
+    per_model = _COMPILED.setdefault(model, {})
+    if backend not in per_model:
+        per_model[backend] = torch.compile(model, backend=backend, dynamic=False)
+    return per_model[backend]
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _hit_stop(nxt, done, generated, stops, window, tokenizer) -> torch.Tensor:
@@ -218,6 +241,7 @@ def generate(
     seed: int | None = None,
     streamer: Any = None,
     vocab_size: int | None = None,
+    compile: bool | str = False,
 ) -> torch.Tensor:
     """Continue ``input_ids [B, T]`` and return ``[B, T + n]`` (prompt included), as in HF.
 
@@ -238,6 +262,9 @@ def generate(
         tokenizer: anything with ``decode(ids, skip_special_tokens=...)``; needed by stop_strings.
             When given, its ``eos_token_id``/``pad_token_id`` are the defaults for those arguments.
         seed: seeds a private generator so sampling is reproducible.
+        compile: decode with ``torch.compile(model)`` over a static-shape KV cache (True: the
+            inductor backend; a string names another backend). The first call compiles (seconds);
+            later calls with the same batch size and length reuse the graph. Prefill stays eager.
         vocab_size: never emit ids at or above it. The embedding is padded past the tokenizer's
             vocabulary (to a multiple of 128, as OLMo does); those rows are never trained, so a
             barely trained model can pick them. Defaults to the vocabulary of ``tokenizer``.
@@ -253,7 +280,7 @@ def generate(
         attention_mask=attention_mask, do_sample=do_sample, temperature=temperature, top_k=top_k,
         top_p=top_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, stop_strings=stop_strings, tokenizer=tokenizer, seed=seed,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size, compile=compile,
     )
     B, T = input_ids.shape
     n_new = _new_tokens(T, max_length, max_new_tokens)
