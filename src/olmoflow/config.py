@@ -124,6 +124,7 @@ class GenerateConfig:
     temperature: float = 0.8
     top_k: int | None = 50
     top_p: float | None = 0.95
+    repetition_penalty: float = 1.0
     seed: int = 0
 
 

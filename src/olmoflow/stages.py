@@ -206,6 +206,7 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
         ids = torch.tensor([tok.encode(prompt) or [tok.eos_token_id]])
         out = model.generate(ids, max_new_tokens=g.max_new_tokens, do_sample=g.temperature > 0,
                              temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                             repetition_penalty=g.repetition_penalty,
                              eos_token_id=tok.eos_token_id, seed=g.seed + i,
                              vocab_size=tok.vocab_size)
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
