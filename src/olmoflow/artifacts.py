@@ -166,6 +166,17 @@ def write_manifest(
     return manifest
 
 
+def data_files(path: str | os.PathLike) -> list[Path]:
+    """The data files at ``path``: the file itself, or a directory's files (recursively, sorted)
+    without its ``manifest.json`` (rewritten on every run) and hidden temporaries (``.x.tmp``,
+    ``.fingerprint``), which are bookkeeping, not data."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST
+                  and not p.name.startswith("."))
+
+
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
     """The manifest of ``out_dir``, or None when absent or unreadable (an incomplete stage)."""
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmoflow.artifacts import MANIFEST, StageResult, atomic_write_json, atomic_write_text
+from olmoflow.artifacts import MANIFEST, StageResult, atomic_write_json, atomic_write_text, data_files
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.errors import OlmoflowError
 
@@ -127,18 +127,13 @@ def build_model(cfg: RunConfig, tokenizer_vocab: int):
     elif mc.vocab_size < tokenizer_vocab:
         raise OlmoflowError(f"model.vocab_size={mc.vocab_size} is smaller than the tokenizer's "
                             f"vocabulary ({tokenizer_vocab})")
-    if cfg.train.sequence_length > mc.max_sequence_length:
-        raise OlmoflowError(f"train.sequence_length={cfg.train.sequence_length} exceeds "
-                            f"model.max_sequence_length={mc.max_sequence_length}")
     torch.manual_seed(cfg.seed)
     return Olmo(mc)
 
 
 def model_inputs(cfg: RunConfig, ckpt: Path) -> list[Path]:
     """The files a model-consuming stage reads: the checkpoint's and the tokenizer's."""
-    tok_dir = stage_dir(cfg, "train-tokenizer")
-    return (sorted(p for p in ckpt.rglob("*") if p.is_file())
-            + sorted(p for p in tok_dir.iterdir() if p.is_file() and p.name != MANIFEST))
+    return data_files(ckpt) + data_files(stage_dir(cfg, "train-tokenizer"))
 
 
 def load_trained_model(cfg: RunConfig):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmoflow.artifacts import StageResult, atomic_open, atomic_write_json
+from olmoflow.artifacts import StageResult, atomic_open, atomic_write_json, data_files
 from olmoflow.config import TokenizeConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
@@ -158,10 +158,7 @@ def tokenize(
     for s in SPLITS:
         counts.update({f"{s}_{k}": v for k, v in stats[s].items()})
     outputs = [p for s in SPLITS for p in paths[s]] + [out_dir / META]
-    tok_dir = Path(tokenizer_dir)
-    tok_files = [p for p in sorted(tok_dir.iterdir()) if p.is_file() and p.name != "manifest.json"
-                 and not p.name.startswith(".")] if tok_dir.is_dir() else [tok_dir]
-    inputs = _files(docs_path) + tok_files
+    inputs = data_files(docs_path) + data_files(tokenizer_dir)
     return StageResult(inputs=inputs, outputs=outputs, counts=counts)
 
 
@@ -219,13 +216,6 @@ def check_part(npy_path: str | Path, dtype: str | np.dtype, eos_token_id: int | 
     if eos_token_id is not None and len(rows) and np.any(arr[ends - 1] != eos_token_id):
         raise OlmoflowError(f"{npy_path}: a document does not end with EOS ({eos_token_id})")
     return len(arr)
-
-
-def _files(path: Path) -> list[Path]:
-    # A directory's manifest.json changes on every run; it is not data.
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
 
 
 def _progress(total: int, enabled: bool):

@@ -46,11 +46,12 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
     """Copy every file a tokenizer saved in ``src`` (``tokenizer.json``, ``tokenizer_config.json``,
     ... or a custom tokenizer's own files) into ``dst``; returns the copies. Manifests and hidden
     temporary files are not tokenizer files and stay behind."""
+    from olmoflow.artifacts import data_files
+
     out = []
-    for f in sorted(Path(src).iterdir()):
-        if f.is_file() and f.name != "manifest.json" and not f.name.startswith("."):
-            shutil.copyfile(f, Path(dst) / f.name)
-            out.append(Path(dst) / f.name)
+    for f in data_files(src):  # a tokenizer directory is flat
+        shutil.copyfile(f, Path(dst) / f.name)
+        out.append(Path(dst) / f.name)
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from olmoflow.artifacts import StageResult
+from olmoflow.artifacts import StageResult, data_files
 from olmoflow.config import TokenizerConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
@@ -76,9 +76,4 @@ def train_tokenizer(
         "sample_tokens": sample_tokens,
         "bytes_per_token": round(sample_bytes / max(sample_tokens, 1), 4),
     }
-    inputs = [docs_path]
-    if docs_path.is_dir():  # a directory's manifest.json changes on every run; it is not data
-        inputs = sorted(
-            p for p in docs_path.rglob("*") if p.is_file() and p.name != "manifest.json"
-        )
-    return StageResult(inputs=inputs, outputs=outputs, counts=counts)
+    return StageResult(inputs=data_files(docs_path), outputs=outputs, counts=counts)

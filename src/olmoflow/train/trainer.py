@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from olmoflow.artifacts import atomic_write_text
 from olmoflow.data.loader import DataLoader
-from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from olmoflow.train.schedule import lr_at
@@ -59,11 +58,7 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, cfg, loader: DataLoader, save_folder: Path,
                  config_yaml: str = "", progress: bool = True):
-        if cfg.global_batch_size % cfg.micro_batch_size:
-            raise OlmoflowError(
-                f"train.global_batch_size={cfg.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={cfg.micro_batch_size}"
-            )
+        # cfg is a TrainConfig, which already checked that micro-batches tile the global batch.
         self.model, self.cfg, self.loader = model, cfg, loader
         self.save_folder = Path(save_folder)
         self.config_yaml, self.progress = config_yaml, progress
