@@ -89,8 +89,10 @@ def test_generate_edge_cases(run, capsys):
 
 def test_deleted_latest_pointer_is_repaired(run, capsys):
     (run / "pretrain" / "latest").unlink()
-    rc, out, err = cli(capsys, "run", "tiny", "--run-dir", str(run), *FAST)
+    data = ("--data", str(run.parent / "c.jsonl"))  # the fixture's corpus: same fingerprints
+    rc, out, err = cli(capsys, "run", "tiny", "--run-dir", str(run), *data, *FAST)
     assert rc == 0, err
+    assert "[collect] skipped" in out and "[pretrain] resumed" in out  # repaired from step4, not trained again
     assert (run / "pretrain" / "latest").read_text().strip() == "step4"
     rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(run), "--force", *FAST)
     assert rc == 0, err

@@ -8,7 +8,6 @@ is the exception: an interrupted run with the same fingerprint resumes from its 
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import sys
@@ -29,25 +28,18 @@ from olmoflow.artifacts import (
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.stages import BY_NAME, RUNNERS, STAGES, stage_dir
+from olmoflow.train.checkpoint import has_checkpoint
 
 FINGERPRINT = ".fingerprint"
 
 
 def _source_stamp(sources: list[str]) -> list[Any]:
-    """Identity of the sources: the content hash of every user file (an edit that keeps the size
-    and the modification time still reruns collect), and the Python version for the stdlib."""
-    stamp: list[Any] = []
-    for s in sources:
-        if s == "stdlib":
-            stamp.append(["stdlib", sys.version])
-            continue
-        paths = sorted(glob.glob(s, recursive=True)) or [s]
-        for p in paths:
-            files = sorted(Path(p).rglob("*")) if Path(p).is_dir() else [Path(p)]
-            for f in files:
-                if f.is_file():
-                    stamp.append([str(f), sha256_file(f)])
-    return stamp
+    """Identity of the sources: the content hash of every file collect reads (an edit that keeps
+    the size and the modification time still reruns collect), and the Python version for the stdlib."""
+    from olmoflow.data.sources import source_files
+
+    stamp: list[Any] = [["stdlib", sys.version]] if "stdlib" in sources else []
+    return stamp + [[str(f), sha256_file(f)] for f in source_files(sources)]
 
 
 def fingerprint(cfg: RunConfig, name: str) -> str:
@@ -70,7 +62,8 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     fp = fingerprint(cfg, name)
     if not force and is_complete(out, fp):
         return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
-    resuming = name == "pretrain" and not force and _same_fingerprint(out, fp) and (out / "latest").is_file()
+    resuming = (name == "pretrain" and not force and _same_fingerprint(out, fp)
+                and has_checkpoint(out))
     if resuming:
         cfg.train.resume_from = cfg.train.resume_from or "latest"
     elif out.exists():

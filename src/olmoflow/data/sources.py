@@ -169,6 +169,12 @@ def _plan(entries: list[str]) -> list[_Task]:
     return tasks
 
 
+def source_files(entries: list[str]) -> list[Path]:
+    """The user files ``collect`` reads for ``entries`` (``"stdlib"`` entries contribute none), in
+    reading order. Raises OlmoflowError like :func:`collect` for a source that matches nothing."""
+    return [t.path for t in _plan([e for e in entries if e != STDLIB])]
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()

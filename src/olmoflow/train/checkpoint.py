@@ -69,6 +69,15 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module,
     return final
 
 
+def has_checkpoint(save_folder: Path) -> bool:
+    """Whether ``resume_from="latest"`` would find a complete checkpoint in ``save_folder``."""
+    try:
+        resolve_checkpoint(save_folder, LATEST)
+    except OlmoflowError:
+        return False
+    return True
+
+
 def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     """``latest`` -> the newest complete step directory; otherwise a path (absolute or in the folder).
 
