@@ -164,6 +164,11 @@ class RunConfig:
             raise OlmoflowError(f"evaluate.sequence_length={self.evaluate.sequence_length} exceeds "
                                 f"model.max_sequence_length={limit}")
 
+    @property
+    def eval_sequence_length(self) -> int:
+        """Tokens per evaluation window: ``evaluate.sequence_length``, else the training length."""
+        return self.evaluate.sequence_length or self.train.sequence_length
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -89,7 +89,7 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
             "document(s) and held-out documents are whole documents; give at least 2 documents "
             "(e.g. a directory of .txt files or a .jsonl file)"
         )
-    seq = cfg.evaluate.sequence_length or cfg.train.sequence_length
+    seq = cfg.eval_sequence_length
     if result.counts["heldout_tokens"] < seq + 1:
         raise OlmoflowError(
             f"the held-out split has {result.counts['heldout_tokens']} tokens, fewer than one "
@@ -159,7 +159,7 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
     trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
     summary = trainer.fit()
     final = Path(summary["checkpoint"])
-    outputs = sorted(p for p in final.rglob("*") if p.is_file()) + [out / METRICS, out / "latest"]
+    outputs = data_files(final) + [out / METRICS, out / "latest"]
     counts = {**summary, "parameters": model.num_params(), "instances": len(dataset),
               "epochs": round(summary["tokens"] / max(dataset.total_tokens, 1), 3)}
     return StageResult(inputs=paths, outputs=outputs, counts=counts)
@@ -172,7 +172,7 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     model, tok, ckpt = load_trained_model(cfg)
     paths, dtype = token_split(cfg, "heldout")
     tokens = np.concatenate([np.asarray(a) for a in open_token_arrays(paths, dtype)] or [np.zeros(0)])
-    seq = cfg.evaluate.sequence_length or cfg.train.sequence_length
+    seq = cfg.eval_sequence_length
     try:
         report = evaluate_tokens(lambda x: model(x).logits, tokens, tok.token_byte_lengths(),
                                  sequence_length=seq, batch_size=cfg.evaluate.batch_size,
