@@ -87,6 +87,28 @@ class TrainConfig:
     log_interval: int = 10
     num_threads: int | None = None
     resume_from: str | None = None
+    # --- checkpoints (issue 4.1): OLMo names "{stage}-step{N}-tokens{T}", checkpoints.csv, pruning
+    stage: str = "stage1"
+    keep_every: int = 0            # keep checkpoints whose step is a multiple of this forever (0: off)
+    keep_last: int = 0             # keep only the newest K of the others (0: keep all)
+    # --- optimizer and precision (issue 4.3)
+    optimizer: str = "adamw"       # adamw | skip_step_adamw | muon
+    skip_step_sigma: float = 6.0   # skip_step_adamw: skip when loss or grad norm > mean + sigma * std
+    skip_step_window: int = 128    # ... over this many recent steps
+    muon_lr: float = 0.02          # muon: lr of the 2-D hidden matrices (AdamW keeps train.lr)
+    muon_momentum: float = 0.95
+    precision: str = "auto"        # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: int = 0  # recompute every n-th block in backward (1: every block; 0: off)
+    # --- scale-out and batching (issue 4.4, 4.5)
+    data_parallel: str = "ddp"     # under torchrun: ddp | fsdp (FSDP2 fully_shard)
+    auto_micro_batch: bool = False  # find the largest micro-batch that fits, keep global batch
+    memory_budget_gb: float | None = None  # CPU budget for the micro-batch finder (default: free RAM)
+    # --- data loading (issue 4.2)
+    packing: str = "concat"        # concat (chunk the token stream) | best_fit (whole documents)
+    intra_document_masking: bool = False  # attention does not cross document boundaries
+    # --- training log (issue 4.6)
+    detailed_log_interval: int = 0  # every n steps also log per-layer/per-head metrics (0: off)
+    loggers: list[str] = field(default_factory=list)  # extra writers: tensorboard, wandb (offline)
 
     def __post_init__(self) -> None:
         from olmoflow.train.schedule import SCHEDULES
