@@ -47,8 +47,8 @@ def train_ours(model, cfg, loader, budget_s, workdir):
     trainer.lr = lambda step: timed_lr(cfg, started, budget_s)
     losses = []
     while time.time() - started < budget_s:
-        ids, labels = loader.next_batch()
-        losses.append(trainer.train_step(ids, labels)["loss"])
+        batch = loader.next_batch()
+        losses.append(trainer.train_step(batch.input_ids, batch.labels)["loss"])
     return trainer.step, trainer.tokens_seen, time.time() - started, losses
 
 
@@ -57,7 +57,8 @@ def train_transformers(model, cfg, loader, budget_s):
     opt = build_optimizer(model, cfg)
     started, steps, tokens, losses = time.time(), 0, 0, []
     while time.time() - started < budget_s:
-        ids, labels = loader.next_batch()
+        batch = loader.next_batch()
+        ids, labels = batch.input_ids, batch.labels
         for g in opt.param_groups:
             g["lr"] = timed_lr(cfg, started, budget_s)
         n_targets = int((labels != IGNORE_INDEX).sum())

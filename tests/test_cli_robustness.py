@@ -93,7 +93,7 @@ def test_deleted_latest_pointer_is_repaired(run, capsys):
     rc, out, err = cli(capsys, "run", "tiny", "--run-dir", str(run), *data, *FAST)
     assert rc == 0, err
     assert "[collect] skipped" in out and "[pretrain] resumed" in out  # repaired from step4, not trained again
-    assert (run / "pretrain" / "latest").read_text().strip() == "step4"
+    assert (run / "pretrain" / "latest").read_text().strip() == "stage1-step4-tokens3K"
     rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(run), "--force", *FAST)
     assert rc == 0, err
 

@@ -29,14 +29,18 @@ def one_line_error(rc: int, err: str, *fragments: str) -> None:
         assert f in lines[0], (f, lines[0])
 
 
+# OLMo-style checkpoint names: 4 x 512 = 2048 tokens, rounded up to 3K (train.checkpoint)
+STEP2, STEP4 = "stage1-step2-tokens2K", "stage1-step4-tokens3K"
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """A tiny pretraining run (4 steps, checkpoints at steps 2 and 4): ~5 s."""
+    """A tiny pretraining run (4 steps of 512 tokens, checkpoints at steps 2 and 4): ~5 s."""
     run = tmp_path_factory.mktemp("run")
     rc = main(["run", "tiny", "--run-dir", str(run), "--no-progress", "train.max_steps=4",
                "train.save_interval=2"])
     assert rc == 0
-    assert (run / "pretrain" / "step4" / "model_and_optim").is_dir()
+    assert (run / "pretrain" / STEP4 / "model_and_optim").is_dir()
     return run
 
 
@@ -60,7 +64,7 @@ def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
     from olmoflow.tokenizer import Tokenizer
 
     out = tmp_path / "hf"
-    rc, stdout, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain" / "step4"), str(out))
+    rc, stdout, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain" / STEP4), str(out))
     assert rc == 0, err
     assert "exported" in stdout
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary dir left behind"
@@ -73,9 +77,9 @@ def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
     ids = ours_tok(text, return_tensors="pt").input_ids
     assert hf_tok(text, return_tensors="pt").input_ids.tolist() == ids.tolist()
 
-    cfg = load_config(str(tiny_run / "pretrain" / "step4" / "config.yaml"))
+    cfg = load_config(str(tiny_run / "pretrain" / STEP4 / "config.yaml"))
     model, _, ckpt = load_trained_model(cfg)
-    assert ckpt.name == "step4"
+    assert ckpt.name == STEP4
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
     gen = hf.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8)
@@ -105,7 +109,7 @@ def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
 
 
 def test_export_bad_inputs(tiny_run, tmp_path, capsys):
-    step = str(tiny_run / "pretrain" / "step2")
+    step = str(tiny_run / "pretrain" / STEP2)
     rc, _, err = cli(capsys, "export", "hf", str(tmp_path / "missing"), str(tmp_path / "o"))
     one_line_error(rc, err, "does not exist")
     rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "collect"), str(tmp_path / "o"))

@@ -9,6 +9,9 @@ Tool verbs take no run config:
     olmoflow model info PRESET                     shape, parameter counts and memory of a preset
     olmoflow model list                            the model presets
     olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face model directory
+    olmoflow plot RUN [--out DIR]                  the training log's curves and heatmaps as PNGs
+    olmoflow plan CONFIG --gpus N                  memory per GPU under DDP and FSDP (fits or not)
+    olmoflow data run CONFIG                       the data engine (see olmoflow.data.commands)
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo). Errors in the user's input
 print one line and exit with status 2.
@@ -76,8 +79,40 @@ def _tool_parsers(sub) -> None:
     hf.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     hf.set_defaults(tool=_export_hf)
 
+    plot = sub.add_parser("plot", help="draw a run's training log (loss, lr, grad norm, throughput, "
+                          "per-layer and per-head heatmaps) into PNG files")
+    plot.add_argument("run", help="a run directory, its pretrain/ directory or a metrics.jsonl file")
+    plot.add_argument("--out", help="where the PNGs go (default: plots/ beside metrics.jsonl)")
+    plot.set_defaults(tool=_plot)
 
-TOOL_VERBS = ("model", "export")
+    plan = sub.add_parser("plan", help="memory per GPU to train a run config under DDP and FSDP")
+    plan.add_argument("config", help="YAML config file or preset name, e.g. olmo3_7b")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    plan.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs (default: 8)")
+    plan.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                      help="memory of one GPU in GB = 1e9 bytes (default: 80)")
+    plan.set_defaults(tool=_plan)
+
+    from olmoflow.data.commands import add_data_parser
+
+    add_data_parser(sub)
+
+
+TOOL_VERBS = ("model", "export", "data", "plot", "plan")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from olmoflow.config import load_config
+    from olmoflow.train.plan import plan_config
+
+    print(plan_config(load_config(args.config, args.overrides), args.gpus, args.gpu_memory_gb))
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from olmoflow.train.plot import plot_run
+
+    files = plot_run(args.run, args.out)
+    print(f"wrote {len(files)} plots to {files[0].parent}: {', '.join(f.name for f in files)}")
 
 
 def _model_info(args: argparse.Namespace) -> None:
@@ -120,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         if args.verb in TOOL_VERBS:
-            if rest:
+            if rest and isinstance(getattr(args, "overrides", None), list) \
+                    and all("=" in r and not r.startswith("-") for r in rest):
+                args.overrides += rest  # `olmoflow data run CONFIG --force a.b=1`
+            elif rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             args.tool(args)
         else:

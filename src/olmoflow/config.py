@@ -26,8 +26,11 @@ class CollectConfig:
     """Where documents come from.
 
     ``sources`` entries are ``"stdlib"`` (the running Python's standard library: module sources
-    without test suites, plus the prose of ``pydoc_data.topics``) or a file, directory or glob of
-    ``.txt``, ``.jsonl`` or ``.jsonl.gz`` files. ``strict`` turns skipped malformed lines into errors.
+    without test suites, plus the prose of ``pydoc_data.topics``), ``hf://name[:config]/split`` (a
+    local Hugging Face dataset directory), or a file, directory or glob of ``.txt``, JSONL
+    (``.jsonl``, ``.jsonl.gz``, ``.json.gz``, ``.jsonl.zst``), ``.parquet`` or WARC (``.warc``,
+    ``.warc.gz``) files (see :mod:`olmoflow.data.readers`). ``strict`` turns skipped bad input
+    (malformed lines, damaged files, empty files) into errors.
     """
 
     sources: list[str] = field(default_factory=lambda: ["stdlib"])
@@ -64,6 +67,9 @@ class TokenizeConfig:
 
     heldout_fraction: float = 0.02
     heldout_max_documents: int = 200
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -124,6 +130,57 @@ class TrainConfig:
                                 f"train.micro_batch_size={self.micro_batch_size}")
         if self.lr <= 0 or self.warmup_steps < 0:
             raise OlmoflowError("train.lr must be > 0 and train.warmup_steps >= 0")
+        from olmoflow.data.packing import PACKINGS
+
+        if self.packing not in PACKINGS:
+            raise unknown_name_error("train.packing", self.packing, PACKINGS)
+        if not isinstance(self.intra_document_masking, bool):
+            raise OlmoflowError("train.intra_document_masking must be true or false, got "
+                                f"{self.intra_document_masking!r}")
+        self._check_engine()
+        self._check_log()
+        self._check_scale_out()
+
+    def _check_scale_out(self) -> None:
+        """Scale-out and the micro-batch finder (issue 4.4, 4.5)."""
+        from olmoflow.train.distributed import DATA_PARALLEL
+
+        if self.data_parallel not in DATA_PARALLEL:
+            raise unknown_name_error("train.data_parallel", self.data_parallel, DATA_PARALLEL)
+        if not isinstance(self.auto_micro_batch, bool):
+            raise OlmoflowError(f"train.auto_micro_batch must be true or false, got {self.auto_micro_batch!r}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise OlmoflowError(f"train.memory_budget_gb must be > 0 GB (or null: available RAM), "
+                                f"got {self.memory_budget_gb}")
+
+    def _check_log(self) -> None:
+        """The training log (issue 4.6): detailed_log_interval >= 0, known writer names."""
+        from olmoflow.train.loggers import check_loggers
+
+        if self.detailed_log_interval < 0:
+            raise OlmoflowError(f"train.detailed_log_interval must be >= 0 (0: off), got "
+                                f"{self.detailed_log_interval}")
+        check_loggers(self.loggers)
+
+    def _check_engine(self) -> None:
+        """Checkpoint policy, optimizer, precision and activation checkpointing (issue 4.1, 4.3)."""
+        import re
+
+        from olmoflow.train.optim import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise unknown_name_error("train.optimizer", self.optimizer, OPTIMIZERS)
+        if self.precision not in PRECISIONS:
+            raise unknown_name_error("train.precision", self.precision, PRECISIONS)
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.stage):
+            raise OlmoflowError(f"train.stage '{self.stage}' must be letters, digits, '_', '.' or "
+                                "'-' (it names checkpoint directories, e.g. stage1)")
+        for key in ("keep_every", "keep_last", "activation_checkpointing", "skip_step_window"):
+            if getattr(self, key) < 0:
+                raise OlmoflowError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.skip_step_sigma <= 0 or self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:
+            raise OlmoflowError("train.skip_step_sigma and train.muon_lr must be > 0 and "
+                                "train.muon_momentum in [0, 1)")
 
 
 @dataclass
@@ -333,7 +390,9 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
     """Load a YAML preset or file, apply dotted overrides, and return a validated RunConfig.
 
     ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
-    Python values, applied last (what CLI flags such as ``--data`` set).
+    Python values, applied last (what CLI flags such as ``--data`` set). A top-level
+    ``resume_from`` (``olmoflow pretrain CONFIG resume_from=latest``, the form OLMo's docs use) is
+    ``train.resume_from``: ``latest``, a checkpoint directory, or ``stepN``.
 
     Raises:
         OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
@@ -356,6 +415,8 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
         _set_dotted(tree, key, value)
     for key, value in (values or {}).items():
         _set_dotted(tree, key, value)
+    if "resume_from" in tree:  # OLMo's docs resume with a top-level key; it means train.resume_from
+        _set_dotted(tree, "train.resume_from", tree.pop("resume_from"))
     return _build(RunConfig, tree)
 
 

@@ -6,8 +6,8 @@ The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
 
 Accepted sources:
 
-- a step directory of a run (``run_dir/pretrain/stepN``: ``config.yaml`` + ``model_and_optim/``
-  written by :mod:`olmoflow.train.checkpoint`);
+- a checkpoint directory of a run (``run_dir/pretrain/stage1-step450-tokens29K``, or the older
+  ``stepN``: ``config.yaml`` + ``model_and_optim/`` written by :mod:`olmoflow.train.checkpoint`);
 - a checkpoint folder with a ``latest`` pointer (``run_dir/pretrain``): its newest step;
 - a Hugging Face directory (e.g. a release): re-exported, optionally in another dtype.
 
@@ -46,7 +46,8 @@ def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
     if not p.exists():
         raise OlmoflowError(f"checkpoint '{p}' does not exist")
     if not p.is_dir():
-        raise OlmoflowError(f"checkpoint '{p}' is not a directory (expected run_dir/pretrain/stepN)")
+        raise OlmoflowError(f"checkpoint '{p}' is not a directory (expected a checkpoint "
+                            "directory such as run_dir/pretrain/stage1-step450-tokens29K)")
     if _is_step_dir(p):
         return "step", p
     if (p / "latest").is_file():
@@ -56,7 +57,8 @@ def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
     if (p / "config.json").is_file():
         return "hf", p
     raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml and "
-                        "model_and_optim/ (e.g. run_dir/pretrain/step450) or a Hugging Face directory")
+                        "model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens29K) or a "
+                        "Hugging Face directory")
 
 
 def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) -> Path:

@@ -28,6 +28,7 @@ from olmoflow.artifacts import (
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.stages import BY_NAME, RUNNERS, STAGES, stage_dir
+from olmoflow.train import distributed
 from olmoflow.train.checkpoint import has_checkpoint
 
 FINGERPRINT = ".fingerprint"
@@ -47,6 +48,8 @@ def fingerprint(cfg: RunConfig, name: str) -> str:
     parts: dict[str, Any] = {"stage": name}
     for sec in stage.sections:
         parts[sec] = cfg.section(sec) if sec != "seed" else cfg.seed
+    if "train" in parts:  # where to resume from does not change what training makes
+        parts["train"].pop("resume_from", None)
     for up in stage.upstream:
         m = read_manifest(stage_dir(cfg, up)) or {}
         parts[f"upstream:{up}"] = [m.get("fingerprint"), m.get("outputs")]
@@ -59,29 +62,49 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
               command: str = "") -> tuple[str, float, dict[str, Any]]:
     """Run one stage unless it is complete. Returns ``(status, seconds, counts)``."""
     out = stage_dir(cfg, name)
+    info = distributed.init_from_env()  # under torchrun; one process otherwise
     fp = fingerprint(cfg, name)
-    if not force and is_complete(out, fp):
+    complete = not force and is_complete(out, fp)
+    # An explicit resume_from continues the stage's checkpoints even under a changed config (e.g.
+    # more train.max_steps) instead of clearing them.
+    resuming = (not complete and name == "pretrain" and not force and has_checkpoint(out)
+                and (_same_fingerprint(out, fp) or bool(cfg.train.resume_from)))
+    # Under torchrun rank 0 decides and every rank follows; rank 0 alone writes the stage's files.
+    complete, resuming = distributed.broadcast_object((complete, resuming))
+    if complete:
         return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
-    resuming = (name == "pretrain" and not force and _same_fingerprint(out, fp)
-                and has_checkpoint(out))
     if resuming:
         cfg.train.resume_from = cfg.train.resume_from or "latest"
-    elif out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / FINGERPRINT, fp)
+    if info.is_main:
+        if not resuming and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / FINGERPRINT, fp)
+    distributed.barrier()
     started, t0 = now(), time.time()
+    # Pretraining runs on every rank; rank 0 runs any other stage while the others wait.
+    runs_here = info.is_main or name == "pretrain"
+    error, result = None, None
     try:
-        result: StageResult = RUNNERS[name](cfg, progress)
-    except OlmoflowError:
-        if not resuming:  # leave no empty or half-made stage directory behind a user error
+        result = RUNNERS[name](cfg, progress) if runs_here else None
+    except OlmoflowError as e:
+        if not resuming and info.is_main:  # leave no empty or half-made stage directory behind
             shutil.rmtree(out, ignore_errors=True)
-        raise
+        if not info.is_distributed or name == "pretrain":
+            raise
+        error = e
     secs = time.time() - t0
-    write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
-                   fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
-                   counts=result.counts, started=started, extra={"seconds": round(secs, 2)})
-    return ("resumed" if resuming else "ran"), secs, result.counts
+    if info.is_main and result is not None:
+        write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
+                       fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
+                       counts=result.counts, started=started, extra={"seconds": round(secs, 2)})
+    # Every rank leaves with rank 0's outcome, after its manifest exists (the next stage's
+    # fingerprint reads it).
+    message, counts = distributed.broadcast_object(
+        (str(error) if error else None, result.counts if result is not None else {}))
+    if message is not None:
+        raise OlmoflowError(message)
+    return ("resumed" if resuming else "ran"), secs, counts
 
 
 def _same_fingerprint(out: Path, fp: str) -> bool:
@@ -97,7 +120,7 @@ def _headline(name: str, counts: dict[str, Any]) -> str:
         "clean": ["documents", "removed_too_short", "removed_too_long", "removed_duplicate"],
         "train-tokenizer": ["vocab_size", "bytes_per_token"],
         "tokenize": ["train_tokens", "heldout_tokens", "train_documents", "heldout_documents"],
-        "pretrain": ["parameters", "steps", "tokens", "final_loss"],
+        "pretrain": ["parameters", "steps", "tokens", "final_loss", "packing_efficiency"],
         "evaluate": ["loss", "perplexity", "bpb"],
         "generate": ["samples"],
         "release": ["files"],
@@ -117,20 +140,22 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
     if run_dir.exists() and not run_dir.is_dir():
         raise OlmoflowError(f"run_dir '{run_dir}' exists and is not a directory")
     created = not run_dir.exists()
+    main = distributed.init_from_env().is_main  # under torchrun only rank 0 prints and writes
     rows = []
     names = stages or [s.name for s in STAGES]
     try:
         for name in names:
             status, secs, counts = run_stage(cfg, name, progress=progress, force=force)
-            print(f"[{name}] {status} in {secs:.1f}s: {_headline(name, counts)}", flush=True)
+            if main:
+                print(f"[{name}] {status} in {secs:.1f}s: {_headline(name, counts)}", flush=True)
             rows.append((name, status, secs, counts))
-            if len(rows) == 1:  # the run exists once a stage is done: record its resolved config
+            if len(rows) == 1 and main:  # the run exists once a stage is done: record its config
                 atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     except OlmoflowError:
-        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+        if main and created and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a run that failed before its first stage leaves nothing behind
         raise
-    if len(names) > 1:
+    if len(names) > 1 and main:
         print_summary(rows, run_dir)
     return rows
 

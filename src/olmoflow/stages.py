@@ -147,21 +147,27 @@ def load_trained_model(cfg: RunConfig):
 
 
 def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
-    from olmoflow.data.loader import DataLoader, InstanceDataset, open_token_arrays
+    from olmoflow.data.loader import DataLoader, build_dataset, index_path
     from olmoflow.train.trainer import METRICS, Trainer
 
     out = stage_dir(cfg, "pretrain")
     tok = load_tokenizer(cfg)
     paths, dtype = token_split(cfg, "train")
-    dataset = InstanceDataset(open_token_arrays(paths, dtype), cfg.train.sequence_length)
-    loader = DataLoader(dataset, cfg.train.global_batch_size, seed=cfg.seed)
+    t = cfg.train
+    dataset = build_dataset(t.packing, paths, dtype, t.sequence_length, cfg.seed,
+                            t.intra_document_masking, pad_token_id=tok.pad_token_id)
+    loader = DataLoader(dataset, t.global_batch_size, seed=cfg.seed,
+                        intra_document_masking=t.intra_document_masking)
+    if t.packing != "concat" or t.intra_document_masking:  # the document indexes are read too
+        paths = paths + [index_path(p) for p in paths]
     model = build_model(cfg, tok.vocab_size)
     trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
     summary = trainer.fit()
     final = Path(summary["checkpoint"])
     outputs = data_files(final) + [out / METRICS, out / "latest"]
     counts = {**summary, "parameters": model.num_params(), "instances": len(dataset),
-              "epochs": round(summary["tokens"] / max(dataset.total_tokens, 1), 3)}
+              "packing_efficiency": round(dataset.packing_efficiency, 4),
+              "epochs": round(summary["steps"] * t.global_batch_size / len(dataset), 3)}
     return StageResult(inputs=paths, outputs=outputs, counts=counts)
 
 

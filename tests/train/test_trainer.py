@@ -13,16 +13,25 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import IGNORE_INDEX, Olmo
-from olmoflow.train.trainer import METRICS, Trainer
+from olmoflow.model.olmo import IGNORE_INDEX
+from olmoflow.train.checkpoint import checkpoint_name
 from olmoflow.train.schedule import lr_at
-
-VOCAB = 64
-SEQ = 8
+from olmoflow.train.trainer import Trainer
+from resume_helpers import (
+    SEQ,
+    VOCAB,
+    assert_resume_exact,
+    build_model,
+    dataset,
+    make_trainer,
+    read_metrics,
+    resume_in_fresh_process,
+    run_until_crash,
+    token_arrays,
+    train_config,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,46 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_model_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
-                max_sequence_length=64, sliding_window=None)
-    return ModelConfig(**{**base, **kw})
-
-
-def build_model(seed: int = 0, **kw) -> Olmo:
-    torch.manual_seed(seed)
-    return Olmo(tiny_model_config(**kw))
-
-
-def train_config(**kw) -> TrainConfig:
-    base = dict(sequence_length=SEQ, global_batch_size=4, micro_batch_size=2, max_steps=20,
-                lr=1e-2, warmup_steps=3, schedule="cosine", save_interval=10, log_interval=1,
-                num_threads=1)
-    return TrainConfig(**{**base, **kw})
-
-
-def token_arrays(n_tokens: int, n_arrays: int = 3, seed: int = 0) -> list[np.ndarray]:
-    """Random token arrays of uneven sizes that add up to ``n_tokens``."""
-    rng = np.random.default_rng(seed)
-    cuts = np.sort(rng.choice(np.arange(1, n_tokens), n_arrays - 1, replace=False))
-    tokens = rng.integers(0, VOCAB, n_tokens).astype(np.uint16)
-    return [a for a in np.split(tokens, cuts)]
-
-
-def dataset(n_instances: int, seq: int = SEQ) -> InstanceDataset:
-    """A dataset of exactly ``n_instances`` instances of ``seq + 1`` tokens."""
-    ds = InstanceDataset(token_arrays(n_instances * seq + 1), seq)
-    assert len(ds) == n_instances
-    return ds
-
-
-def read_metrics(folder: Path) -> dict[int, dict]:
-    rows = [json.loads(ln) for ln in (folder / METRICS).read_text().splitlines() if ln.strip()]
-    by_step = {r["step"]: r for r in rows}
-    assert len(by_step) == len(rows), "a step was logged twice"
-    return by_step
 
 
 # --- gradient accumulation ------------------------------------------------------------------------
@@ -160,27 +129,6 @@ def test_trainer_rejects_global_batch_not_multiple_of_micro_batch(tmp_path):
 # --- exact resume ----------------------------------------------------------------------------------
 
 
-class Crash(Exception):
-    pass
-
-
-def make_trainer(folder: Path, n_instances: int, dropout: float, **cfg_kw) -> Trainer:
-    """Fresh model, loader and trainer: what a new process would build."""
-    loader = DataLoader(dataset(n_instances), train_config(**cfg_kw).global_batch_size, seed=7)
-    model = build_model(seed=0, dropout=dropout)
-    return Trainer(model, train_config(**cfg_kw), loader, folder, config_yaml="x: 1\n",
-                   progress=False)
-
-
-def optimizer_moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
-    out = {}
-    for p, st in trainer.optimizer.state.items():
-        out[names[id(p)]] = {k: st[k].clone() for k in ("exp_avg", "exp_avg_sq")}
-    assert len(out) == len(names)
-    return out
-
-
 @pytest.mark.parametrize(
     "n_instances,dropout",
     [
@@ -190,60 +138,35 @@ def optimizer_moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
     ],
     ids=["mid-epoch", "dropout", "epoch-end"],
 )
-def test_resume_is_bit_exact(tmp_path, n_instances, dropout):
+def test_resume_in_a_fresh_process_is_bit_exact(tmp_path, n_instances, dropout):
     if n_instances == 20:
         assert 10 % DataLoader(dataset(20), 4, seed=7).batches_per_epoch == 0
 
     straight = make_trainer(tmp_path / "straight", n_instances, dropout)
     straight.fit()
+    for step in range(1, 21):  # the straight run's lr is the schedule's, step by step
+        assert read_metrics(tmp_path / "straight")[step]["lr"] == straight.lr(step - 1)
 
     # The interrupted run crashes while fetching the batch of step 13: its last checkpoint is
-    # step10 (save_interval=10) and its log holds steps 11 and 12, which a resume must drop.
-    first = make_trainer(tmp_path / "resumed", n_instances, dropout)
-    fetch = first.loader.next_batch
-    calls = []
-
-    def crash_at_13():
-        calls.append(1)
-        if len(calls) == 13:
-            raise Crash
-        return fetch()
-
-    first.loader.next_batch = crash_at_13
-    with pytest.raises(Crash):
-        first.fit()
-    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step10"
+    # step 10 (save_interval=10) and its log holds steps 11 and 12, which a resume must drop.
+    run_until_crash(tmp_path / "resumed", n_instances, dropout, crash_at=13)
+    ten = checkpoint_name("stage1", 10, 10 * 4 * 8)
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == ten == "stage1-step10-tokens320"
     assert max(read_metrics(tmp_path / "resumed")) == 12
-    del first
 
-    # Perturb the global RNGs the way a fresh process would differ; resume must restore them.
-    torch.manual_seed(12345)
-    np.random.seed(12345)
-    second = make_trainer(tmp_path / "resumed", n_instances, dropout, resume_from="latest")
-    second.fit()
+    resumed = resume_in_fresh_process(tmp_path / "resumed", n_instances, dropout)
+    assert_resume_exact(straight, tmp_path / "straight", resumed, tmp_path / "resumed", 10)
 
-    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for step in range(11, 21):
-        assert b[step]["loss"] == a[step]["loss"], f"loss differs at step {step}"
-        assert b[step]["lr"] == a[step]["lr"], f"lr differs at step {step}"
-        assert b[step]["grad_norm"] == a[step]["grad_norm"], f"grad norm differs at step {step}"
-        assert b[step]["epoch"] == a[step]["epoch"]
-        assert b[step]["tokens"] == a[step]["tokens"]
-    for step in range(1, 21):  # and the lr is the schedule's, step by step
-        assert a[step]["lr"] == pytest.approx(straight.lr(step - 1), rel=0, abs=0)
-    assert second.step == straight.step == 20
-    assert second.tokens_seen == straight.tokens_seen
-    assert second.loader.state_dict() == straight.loader.state_dict()
 
-    sa, sb = straight.model.state_dict(), second.model.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), f"weight {k} differs"
-    ma, mb = optimizer_moments(straight), optimizer_moments(second)
-    for name in ma:
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ma[name][k], mb[name][k]), f"{k} of {name} differs"
+def test_resume_from_an_old_style_step_directory(tmp_path):
+    """A checkpoint directory named ``stepN`` (before OLMo-style names) still resumes."""
+    run_until_crash(tmp_path, 27, 0.0, crash_at=13)
+    new = tmp_path / "stage1-step10-tokens320"
+    new.rename(tmp_path / "step10")
+    (tmp_path / "latest").unlink()
+    t = make_trainer(tmp_path, 27, 0.0, resume_from="latest", max_steps=11)
+    t.fit()
+    assert t.step == 11 and sorted(read_metrics(tmp_path)) == list(range(1, 12))
 
 
 def test_resume_without_checkpoint_is_user_error(tmp_path):
@@ -261,14 +184,15 @@ def test_training_reduces_loss(tmp_path):
     summary = t.fit()
     m = read_metrics(tmp_path)
     assert m[30]["loss"] < 0.5 * m[1]["loss"]
-    assert summary["steps"] == 30 and Path(summary["checkpoint"]).name == "step30"
+    assert summary["steps"] == 30
+    assert Path(summary["checkpoint"]).name == "stage1-step30-tokens960"
 
 
 def test_log_interval_zero_logs_only_the_last_step(tmp_path):
     t = make_trainer(tmp_path, 27, 0.0, max_steps=4, log_interval=0, save_interval=0)
     t.fit()
     assert sorted(read_metrics(tmp_path)) == [4]
-    assert (tmp_path / "latest").read_text().strip() == "step4"
+    assert (tmp_path / "latest").read_text().strip() == "stage1-step4-tokens128"
 
 
 # --- data loader -----------------------------------------------------------------------------------
@@ -295,7 +219,8 @@ def epoch_of_batches(loader: DataLoader, ds: InstanceDataset) -> list[int]:
     index = instance_index(ds)
     seen = []
     for _ in range(loader.batches_per_epoch):
-        ids, labels = loader.next_batch()
+        b = loader.next_batch()
+        ids, labels = b.input_ids, b.labels
         assert ids.shape == labels.shape == (loader.batch_size, ds.sequence_length)
         assert ids.dtype == labels.dtype == torch.long
         assert torch.equal(ids[:, 1:], labels[:, :-1])  # labels are the inputs shifted by one
@@ -336,7 +261,7 @@ def test_order_depends_only_on_seed_and_epoch():
     assert not np.array_equal(a.order(0), a.order(1))
     assert not np.array_equal(a.order(0), DataLoader(ds, 4, seed=4).order(0))
     # The batches follow order(epoch).
-    ids, labels = a.next_batch()
+    ids = a.next_batch().input_ids
     first = [ds[int(i)] for i in a.order(0)[:4]]
     np.testing.assert_array_equal(ids.numpy(), np.stack(first)[:, :-1])
 
@@ -344,7 +269,8 @@ def test_order_depends_only_on_seed_and_epoch():
 def test_state_dict_resumes_the_same_sequence():
     ds = dataset(20)
     ref = DataLoader(ds, 4, seed=5)
-    batches = [ref.next_batch() for _ in range(13)]  # crosses two epoch boundaries (5 per epoch)
+    # 13 batches cross two epoch boundaries (5 per epoch)
+    batches = [(b.input_ids, b.labels) for b in (ref.next_batch() for _ in range(13))]
     for cut in (0, 3, 5, 7, 10):
         loader = DataLoader(ds, 4, seed=5)
         for _ in range(cut):
@@ -353,7 +279,8 @@ def test_state_dict_resumes_the_same_sequence():
         fresh = DataLoader(ds, 4, seed=5)
         fresh.load_state_dict(state)
         for i in range(cut, 13):
-            ids, labels = fresh.next_batch()
+            b = fresh.next_batch()
+            ids, labels = b.input_ids, b.labels
             assert torch.equal(ids, batches[i][0]) and torch.equal(labels, batches[i][1]), (cut, i)
 
 

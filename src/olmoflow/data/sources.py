@@ -1,102 +1,55 @@
-"""The ``collect`` stage: gather raw documents from sources into one Dolma documents file.
+"""Sources into Dolma documents: the ``collect`` stage and the data engine's ``ingest`` shard job.
 
-A source is ``"stdlib"`` (the running Python's standard library, an offline default corpus) or a
-file, directory or glob of ``.txt`` (one document per file), ``.jsonl``, ``.jsonl.gz`` or
-``.json.gz`` (Dolma's name for gzipped JSONL; one document per line) files. User data is read
-tolerantly: malformed lines, invalid UTF-8 and damaged gzip files are skipped, counted and logged,
-unless ``strict`` asks for an error instead.
+A source entry is ``"stdlib"`` (the running Python's standard library, an offline default
+corpus), ``hf://name[:config]/split`` (a Hugging Face dataset; see
+:mod:`olmoflow.data.readers`), or a file, directory or glob of supported files: ``.txt`` (one
+document per file), JSONL (``.jsonl``, ``.json.gz``/``.jsonl.gz``, ``.jsonl.zst``; one document
+per line), ``.parquet`` (one per row) and WARC (``.warc``, ``.warc.gz``; one per HTML response).
+User data is read tolerantly: damaged files, bad records and empty files are skipped, counted by
+kind and logged with file and line, unless ``strict`` asks for an error at the first.
+
+``collect`` gathers every source into one ``documents.jsonl.gz`` (the demo flow).
+:func:`ingest_shard` reads one input into ``DIR/documents/<source>/<shard>.jsonl.gz`` (split
+into ``<shard>-0001.jsonl.gz``, ... past ``max_shard_bytes``) for the data engine, which runs one
+such job per input file (:func:`ingest_tasks` builds them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import gzip
 import itertools
-import logging
 import os
-import sys
-import sysconfig
-import zlib
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from olmoflow.artifacts import StageResult
-from olmoflow.config import CollectConfig
-from olmoflow.data.documents import (
-    DOCUMENTS,
-    jsonl_document,
-    parse_jsonl_line,
-    write_documents,
+from olmoflow.data.documents import DOCUMENTS, ShardWriter, write_documents
+from olmoflow.data.readers import (
+    FORMATS, HF_PREFIX, MALFORMED, Input, ReadLog, ReadOptions, file_format, hf_label,
+    python_version, read_input,
 )
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, unknown_name_error
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from olmoflow.config import CollectConfig
+
+__all__ = ["STDLIB", "SUFFIXES", "INGEST_OPTIONS", "collect", "source_files", "plan_inputs",
+           "ingest_tasks", "ingest_shard", "python_version"]
 
 STDLIB = "stdlib"
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
-SUFFIXES = (".txt", *JSONL_SUFFIXES)
-_TEST_DIRS = {"test", "tests", "idle_test"}
-_VENDOR_DIRS = {"site-packages", "dist-packages"}
-_GZ_DAMAGE = (EOFError, gzip.BadGzipFile, zlib.error)
-# Past this many warnings per file, one summary line replaces the rest (a broken file can have
-# millions of bad lines).
-_MAX_WARNINGS_PER_FILE = 5
+SUFFIXES = tuple(sorted(FORMATS))
+#: Keys an ingest task (or a source's ``options``) may set, besides the task's own keys.
+INGEST_OPTIONS = (*(f.name for f in dataclasses.fields(ReadOptions)), "max_shard_bytes")
+_TASK_KEYS = ("input", "name", "source", "output", "strict", "options")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Task:
-    """One unit of reading: a file (kind "py", "txt", "jsonl") or the pydoc topics ("topics")."""
-
-    kind: str
-    path: Path | None
-    name: str  # stable, machine-independent name: the id prefix and what the logs show
-    source: str
-
-
-@dataclasses.dataclass
-class _Tally:
-    documents: int = 0
-    bytes: int = 0
-    skipped_malformed: int = 0
-    skipped_undecodable: int = 0
-    damaged_files: int = 0
-    files: int = 0
-    per_source: Counter = dataclasses.field(default_factory=Counter)
-    inputs: list[Path] = dataclasses.field(default_factory=list)
-
-
-def python_version() -> str:
-    """The running Python's version (``3.11.7``): the stdlib corpus depends on it."""
-    return sys.version.split()[0]
-
-
-def _suffix(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
-
-
-def _is_stdlib_part(name: str) -> bool:
-    """False for test suites and third-party packages, which are not the stdlib's own code."""
-    stem = name[:-3] if name.endswith(".py") else name
-    return not (stem in _TEST_DIRS or stem.startswith("test_") or name in _VENDOR_DIRS)
-
-
-def _stdlib_tasks() -> list[_Task]:
-    """One task per module source of the running Python's stdlib, sorted, then the topics."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rels = []
-    for top, dirs, files in os.walk(root):
-        # Pruning here skips site-packages, which can be far larger than the stdlib itself.
-        dirs[:] = [d for d in dirs if _is_stdlib_part(d) and d != "__pycache__"]
-        rel_top = Path(top).relative_to(root)
-        rels += [(rel_top / f).as_posix() for f in files if f.endswith(".py") and _is_stdlib_part(f)]
-    tasks = [_Task("py", root / rel, f"stdlib/{rel}", "stdlib") for rel in sorted(rels)]
-    return tasks + [_Task("topics", None, "pydoc_topics", "pydoc_topics")]
+# --- planning -----------------------------------------------------------------------------------
 
 
 def _dir_files(directory: Path) -> list[Path]:
@@ -104,7 +57,7 @@ def _dir_files(directory: Path) -> list[Path]:
     found = []
     for p in directory.rglob("*"):
         rel = p.relative_to(directory)
-        if p.is_file() and _suffix(p) and not any(s.startswith(".") for s in rel.parts):
+        if p.is_file() and file_format(p) and not any(s.startswith(".") for s in rel.parts):
             found.append(p)
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
@@ -131,7 +84,7 @@ def _expand(entry: str) -> list[tuple[Path, Path]]:
         root = _absolute(os.path.dirname(text[: wild[0]]) or ".")
         files = []
         for m in map(_absolute, matches):
-            files += _dir_files(m) if m.is_dir() else [m] if m.is_file() and _suffix(m) else []
+            files += _dir_files(m) if m.is_dir() else [m] if m.is_file() and file_format(m) else []
         if not files:
             raise OlmoflowError(f"no {kinds} files match '{entry}'")
         return [(f, root) for f in files]
@@ -142,173 +95,224 @@ def _expand(entry: str) -> list[tuple[Path, Path]]:
             raise OlmoflowError(f"no {kinds} files in directory '{entry}'")
         return [(f, path) for f in files]
     if path.is_file():
-        if not _suffix(path):
+        if not file_format(path):
             raise OlmoflowError(f"unsupported file type '{entry}': expected one of {kinds}")
         return [(path, path.parent)]
     raise OlmoflowError(f"no such file or directory: '{entry}'")
 
 
-def _plan(entries: list[str]) -> list[_Task]:
-    """All reading tasks, in a deterministic order; a file named twice is read once."""
-    tasks: list[_Task] = []
+def plan_inputs(entries: list[str], label: str | None = None) -> list[Input]:
+    """Every input the source ``entries`` name, in a deterministic order; a file named twice is
+    read once. Each file's stable name is ``<label>/<path relative to its entry>``; ``label``
+    defaults to the entry's directory name (and is also each input's ``source``).
+
+    Raises:
+        OlmoflowError: an entry that matches nothing or names an unsupported file.
+    """
+    inputs: list[Input] = []
     seen: set[Any] = set()
     for entry in entries:
-        if entry == STDLIB:
-            if STDLIB not in seen:
-                seen.add(STDLIB)
-                tasks += _stdlib_tasks()
+        if entry == STDLIB or entry.startswith(HF_PREFIX):
+            if entry not in seen:
+                seen.add(entry)
+                if entry == STDLIB:
+                    inputs.append(Input("stdlib", "stdlib", label or STDLIB))
+                else:
+                    src = label or hf_label(entry)
+                    inputs.append(Input("hf", src, src, spec=entry))
             continue
         for path, root in _expand(entry):
             if path.resolve() in seen:
                 continue
             seen.add(path.resolve())
-            label = root.name or "user"
-            name = f"{label}/{path.relative_to(root).as_posix()}"
-            kind = "txt" if _suffix(path) == ".txt" else "jsonl"
-            tasks.append(_Task(kind, path, name, label))
-    return tasks
+            src = label or root.name or "user"
+            name = f"{src}/{path.relative_to(root).as_posix()}"
+            inputs.append(Input(file_format(path), name, src, path=str(path)))
+    return inputs
 
 
 def source_files(entries: list[str]) -> list[Path]:
-    """The user files ``collect`` reads for ``entries`` (``"stdlib"`` entries contribute none), in
-    reading order. Raises OlmoflowError like :func:`collect` for a source that matches nothing."""
-    return [t.path for t in _plan([e for e in entries if e != STDLIB])]
+    """The user files ``collect`` reads for ``entries`` (``stdlib`` and ``hf://`` entries
+    contribute none), in reading order. Raises OlmoflowError like :func:`collect` for a source
+    that matches nothing or has an unsupported type."""
+    return [Path(i.path) for i in plan_inputs(entries) if i.path is not None]
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise OlmoflowError(f"cannot read '{path}': {e.strerror or e}") from None
+# --- collect ------------------------------------------------------------------------------------
 
 
-def _whole_file_doc(task: _Task, cfg: CollectConfig, tally: _Tally) -> Iterator[dict[str, Any]]:
-    """One document from a whole ``.py`` or ``.txt`` file; undecodable files are skipped."""
-    data = _read_bytes(task.path)
-    try:
-        text = data.decode("utf-8-sig")  # -sig: drop a byte-order mark (common in .txt)
-    except UnicodeDecodeError as e:
-        if cfg.strict and task.kind == "txt":
-            raise OlmoflowError(f"{task.path}: invalid UTF-8 at byte {e.start}") from None
-        log.warning("%s: invalid UTF-8 at byte %d; file skipped", task.path, e.start)
-        tally.skipped_undecodable += 1
-        return
-    meta: dict[str, Any] = {"path": task.name.split("/", 1)[1]}
-    if task.kind == "py":
-        meta["python"] = python_version()
-    yield {"id": task.name, "text": text, "source": task.source, "metadata": meta}
-
-
-def _topic_docs() -> Iterator[dict[str, Any]]:
-    """The prose of the language reference (``pydoc_data.topics``), one document per topic."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions strip pydoc_data
-        log.warning("pydoc_data.topics is not available in this Python; its topics are skipped")
-        return
-    for name in sorted(topics):
-        meta = {"topic": name, "python": python_version()}
-        yield {"id": f"pydoc_topics/{name}", "text": topics[name], "source": "pydoc_topics",
-               "metadata": meta}
-
-
-def _jsonl_docs(task: _Task, cfg: CollectConfig, tally: _Tally) -> Iterator[dict[str, Any]]:
-    """Documents of one JSONL file; bad lines and gzip damage are counted (errors when strict)."""
-    gz = task.path.name.lower().endswith(".gz")
-    bad = 0
-    try:
-        with (gzip.open if gz else open)(task.path, "rb") as f:
-            # A line cut by gzip damage is never seen: readline raises before returning it.
-            for lineno, raw in enumerate(f, 1):
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors) is not part of the JSON
-                if not raw.strip():
-                    continue
-                obj, reason = parse_jsonl_line(raw, cfg.text_field)
-                if obj is not None:
-                    meta = {"path": task.name.split("/", 1)[1], "line": lineno}
-                    yield jsonl_document(
-                        obj, cfg.text_field, f"{task.name}:{lineno}", task.source, meta
-                    )
-                    continue
-                if cfg.strict:
-                    raise OlmoflowError(f"{task.path}:{lineno}: malformed JSONL: {reason}")
-                bad += 1
-                if reason.startswith("invalid UTF-8"):
-                    tally.skipped_undecodable += 1
-                else:
-                    tally.skipped_malformed += 1
-                if bad <= _MAX_WARNINGS_PER_FILE:
-                    log.warning("%s:%d: malformed JSONL, skipped: %s", task.path, lineno, reason)
-    except _GZ_DAMAGE as e:
-        if cfg.strict:
-            raise OlmoflowError(f"damaged gzip file '{task.path}': {e}") from None
-        tally.damaged_files += 1
-        log.warning("%s: damaged gzip file (%s); kept the documents before it", task.path, e)
-    except OSError as e:
-        raise OlmoflowError(f"cannot read '{task.path}': {e.strerror or e}") from None
-    if bad > _MAX_WARNINGS_PER_FILE:
-        log.warning("%s: %d malformed lines skipped in all", task.path, bad)
-
-
-def _task_docs(task: _Task, cfg: CollectConfig, tally: _Tally) -> Iterator[dict[str, Any]]:
-    if task.kind == "topics":
-        return _topic_docs()
-    # Every file read is hashed into the manifest, stdlib modules too: that is what lets a release
-    # be traced back to its sources (12 MB of stdlib hashes in well under a second).
-    tally.inputs += [task.path] if task.path is not None else []
-    if task.kind == "jsonl":
-        return _jsonl_docs(task, cfg, tally)
-    return _whole_file_doc(task, cfg, tally)
-
-
-def _all_docs(tasks: list[_Task], cfg: CollectConfig, tally: _Tally, progress: bool):
-    with tqdm(tasks, desc="collect", unit="file", disable=not progress) as bar:
-        for task in bar:
-            if task.kind != "topics":
-                tally.files += 1
-            for doc in _task_docs(task, cfg, tally):
-                tally.documents += 1
-                tally.bytes += len(doc["text"].encode("utf-8"))
-                tally.per_source[doc["source"]] += 1
+def _all_docs(inputs: list[Input], opts: ReadOptions, rl: ReadLog, tally: Counter,
+              progress: bool) -> Iterator[dict[str, Any]]:
+    with tqdm(inputs, desc="collect", unit="file", disable=not progress) as bar:
+        for inp in bar:
+            for doc in read_input(inp, opts, rl):
+                tally["documents"] += 1
+                tally["bytes"] += len(doc["text"].encode("utf-8"))
+                tally["source:" + doc["source"]] += 1
                 yield doc
 
 
 def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageResult:
     """Read every source in ``cfg.sources`` and write ``out_dir/documents.jsonl.gz``.
 
-    Documents keep their order (sources in the order given, files sorted, lines in file order), so
-    the same sources give a byte-identical file. Stops after ``cfg.max_documents`` documents.
+    Documents keep their order (sources in the order given, files sorted, records in file order),
+    so the same sources give a byte-identical file. Stops after ``cfg.max_documents`` documents.
     Counts: ``documents``, ``bytes`` (UTF-8 bytes of text), ``files``, ``per_source``,
-    ``skipped_malformed``, ``skipped_undecodable`` (invalid UTF-8 lines or files),
-    ``damaged_files`` (truncated or corrupt gzip), and ``python_version`` when stdlib is a source.
-    ``inputs`` lists every file read (user files and stdlib module sources).
+    ``skipped_malformed`` (lines that are not JSON objects with a string text, or too large),
+    ``skipped_undecodable`` (invalid UTF-8 lines or files), ``damaged_files`` (truncated or
+    corrupt compression), ``empty_files``, ``errors`` (count by kind), ``error_examples``
+    (``file:line: reason``), ``removed`` (records not kept, by kind), and ``python_version``
+    when stdlib is a source. ``inputs`` lists every file read (user files and stdlib sources).
 
     Raises:
         OlmoflowError: no sources, a source that matches nothing or has an unsupported type, an
-            unreadable file, no documents at all, or (``cfg.strict``) any malformed line or damage.
+            unreadable file, no documents at all, or (``cfg.strict``) any bad input.
     """
     if not cfg.sources:
         raise OlmoflowError("collect.sources is empty; name 'stdlib' or a file, directory or glob")
     if cfg.max_documents is not None and cfg.max_documents < 1:
         raise OlmoflowError(f"collect.max_documents must be at least 1, got {cfg.max_documents}")
-    tasks = _plan(list(cfg.sources))
-    tally = _Tally()
+    inputs = plan_inputs(list(cfg.sources))
+    opts = ReadOptions(text_field=cfg.text_field, strict=cfg.strict)
+    rl = ReadLog(strict=cfg.strict)
+    tally: Counter = Counter()
     out = Path(out_dir) / DOCUMENTS
-    docs = _all_docs(tasks, cfg, tally, progress)
+    docs = _all_docs(inputs, opts, rl, tally, progress)
     try:
         write_documents(out, itertools.islice(docs, cfg.max_documents))
     finally:
         docs.close()  # closes the progress bar when max_documents stopped the reading early
-    if tally.documents == 0:
+    rl.summarize()
+    counts: dict[str, Any] = {
+        "documents": tally["documents"], "bytes": tally["bytes"], "files": len(rl.files),
+        "per_source": {k[7:]: v for k, v in sorted(tally.items()) if k.startswith("source:")},
+        "skipped_malformed": rl.count(*MALFORMED),
+        "skipped_undecodable": rl.count("invalid_utf8"),
+        "damaged_files": rl.count("damaged_file"),
+        "empty_files": rl.count("empty_file"),
+        "errors": rl.error_counts(), "error_examples": rl.error_examples(),
+        "removed": dict(sorted(rl.removed.items())),
+    }
+    if tally["documents"] == 0:
         out.unlink(missing_ok=True)
         raise OlmoflowError(
-            f"no documents collected from {', '.join(cfg.sources)} ({tally.files} files, "
-            f"{tally.skipped_malformed} malformed lines, {tally.skipped_undecodable} undecodable, "
-            f"{tally.damaged_files} damaged files)"
+            f"no documents collected from {', '.join(cfg.sources)} ({counts['files']} files, "
+            f"{counts['skipped_malformed']} malformed lines, {counts['skipped_undecodable']} "
+            f"undecodable, {counts['damaged_files']} damaged files, {counts['empty_files']} empty)"
         )
-    counts = {k: v for k, v in dataclasses.asdict(tally).items() if k != "inputs"}
-    counts["per_source"] = dict(sorted(tally.per_source.items()))
     if STDLIB in cfg.sources:
         counts["python_version"] = python_version()
-    return StageResult(inputs=list(tally.inputs), outputs=[out], counts=counts)
+    return StageResult(inputs=list(rl.files), outputs=[out], counts=counts)
+
+
+# --- ingest (the data engine's first step) ------------------------------------------------------
+
+
+def _shard_stem(index: int, inp: Input) -> str:
+    base = inp.name.rsplit("/", 1)[-1] if inp.path else (inp.spec or inp.name).rsplit("/", 1)[-1]
+    suffix = max((s for s in FORMATS if base.lower().endswith(s)), key=len, default="")
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", base[: len(base) - len(suffix)]) or "part"
+    return f"{index:05d}_{base}"
+
+
+def ingest_tasks(
+    source: str, entries: list[str], out_dir: str | os.PathLike, *,
+    options: dict[str, Any] | None = None, strict: bool = False,
+) -> list[dict[str, Any]]:
+    """The :func:`ingest_shard` tasks of one named source: one per input file (or stdlib, or
+    ``hf://`` split), each writing ``<out_dir>/<source>/<index>_<file stem>.jsonl.gz``.
+
+    Document ids are ``<source>/<path relative to its entry>`` plus the line or row, so they do
+    not depend on where the data lives. ``options`` (see :data:`INGEST_OPTIONS`) are copied into
+    every task.
+
+    Raises:
+        OlmoflowError: an entry that matches nothing or names an unsupported file, a source name
+            that is not a plain directory name, or an unknown option (naming the closest one).
+    """
+    if not source or not re.fullmatch(r"[A-Za-z0-9._-]+", source) or source in (".", ".."):
+        raise OlmoflowError(f"source name '{source}' must be a plain name (letters, digits, . _ -)")
+    _check_options(options or {})
+    tasks = []
+    for i, inp in enumerate(plan_inputs(entries, label=source)):
+        tasks.append({
+            "input": inp.path or inp.spec or STDLIB, "name": inp.name, "source": source,
+            "output": str(Path(out_dir) / source / f"{_shard_stem(i, inp)}{ShardWriter.SUFFIX}"),
+            "strict": strict, **(options or {}),
+        })
+    return tasks
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    for key in options:
+        if key not in INGEST_OPTIONS:
+            raise unknown_name_error("ingest option", key, INGEST_OPTIONS)
+
+
+def _task_input(task: dict[str, Any], rl: ReadLog) -> Input | None:
+    """The input of an ingest task; None (counted as ``unsupported_file``) for a file no reader
+    handles."""
+    spec, source = str(task["input"]), task["source"]
+    if spec == STDLIB:
+        return Input("stdlib", STDLIB, source)
+    if spec.startswith(HF_PREFIX):
+        return Input("hf", task.get("name") or source, source, spec=spec)
+    name = task.get("name") or f"{source}/{Path(spec).name}"
+    fmt = file_format(spec)
+    if fmt is None:
+        rl.bad("unsupported_file", spec,
+               f"unsupported file type: expected one of {', '.join(SUFFIXES)}", documents=0)
+        return None
+    return Input(fmt, name, source, path=spec)
+
+
+def ingest_shard(task: dict[str, Any]) -> dict[str, Any]:
+    """Read one input into Dolma documents shards; the data engine's ``ingest`` shard job.
+
+    ``task``: ``input`` (a file path, ``"stdlib"`` or ``"hf://..."``), ``source`` (the source's
+    name), ``output`` (the first shard's path, ``.jsonl.gz``), optional ``name`` (the input's
+    stable name, the id prefix; default ``<source>/<file name>``), ``strict``, and any of
+    :data:`INGEST_OPTIONS` (at the top level or under ``options``): ``text_field``,
+    ``max_document_bytes``, ``html_extractor``, ``allow_network``, ``max_shard_bytes``.
+
+    Returns the stats ``{"input", "source", "documents_in", "documents_out", "bytes_in",
+    "bytes_out", "removed", "errors", "error_counts", "outputs", "files", "input_bytes"}``:
+    ``documents_in = documents_out + sum(removed documents)`` and likewise for bytes (text bytes
+    for documents kept, bytes as read for records removed), so nothing goes unaccounted;
+    ``errors`` are ``"file:line: reason"`` examples (the first few of each kind) and
+    ``error_counts`` counts bad input by kind (including file-level kinds such as
+    ``damaged_file`` and ``empty_file``); ``outputs`` are the shard paths written (at least one,
+    maybe empty), in order. Output bytes are deterministic (gzip mtime 0).
+
+    Raises:
+        OlmoflowError: an unknown option, an unreadable file, an unusable ``hf://`` source, or
+            (``strict``) the first bad input, naming its file and line.
+    """
+    options = {k: v for k, v in task.items() if k not in _TASK_KEYS}
+    options.update(task.get("options") or {})
+    _check_options(options)
+    opts = ReadOptions.from_mapping({**options, "strict": bool(task.get("strict", False))})
+    rl = ReadLog(strict=opts.strict)
+    out = {"documents": 0, "bytes": 0}
+    inp = _task_input(task, rl)
+    with ShardWriter(task["output"], options.get("max_shard_bytes")) as writer:
+        if inp is not None:
+            for doc in read_input(inp, opts, rl):
+                writer.write(doc)
+                out["documents"] += 1
+                out["bytes"] += len(doc["text"].encode("utf-8"))
+    rl.summarize()
+    removed = dict(sorted(rl.removed.items()))
+    return {
+        "input": str(task["input"]), "source": task["source"],
+        "documents_in": out["documents"] + sum(r["documents"] for r in removed.values()),
+        "documents_out": out["documents"],
+        "bytes_in": out["bytes"] + sum(r["bytes"] for r in removed.values()),
+        "bytes_out": out["bytes"],
+        "removed": removed,
+        "errors": rl.error_examples(),
+        "error_counts": rl.error_counts(),
+        "outputs": [str(p) for p in writer.paths],
+        "files": len(rl.files),
+        "input_bytes": sum(p.stat().st_size for p in rl.files if p.is_file()),
+    }

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from olmoflow.model.attention import Attention, AttentionMask, KVCache
@@ -126,6 +127,9 @@ class Olmo(nn.Module):
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (> 0) before building the model")
         self.config = config
+        # Recompute every n-th block (0, n, 2n, ...) in backward instead of storing its activations
+        # (0: off). A training setting, not part of the architecture: the trainer sets it.
+        self.activation_checkpointing = 0
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
@@ -219,10 +223,15 @@ class Olmo(nn.Module):
         cos_full, sin_full = (cos, sin) if self.rope_full is self.rope else self.rope_full(positions)
 
         x = self.embeddings(input_ids)
+        every = self.activation_checkpointing if self.training and torch.is_grad_enabled() else 0
         for block in self.blocks:
             full = block.window is None
-            x = block(x, cos_full if full else cos, sin_full if full else sin, cache,
-                      masks[block.window], cache_position)
+            args = (x, cos_full if full else cos, sin_full if full else sin, cache,
+                    masks[block.window], cache_position)
+            if every and cache is None and block.layer % every == 0:
+                x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+            else:
+                x = block(*args)
         if cache is not None:
             if cache.static:
                 cache.position.copy_(cache_position[-1:] + 1)

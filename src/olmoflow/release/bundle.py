@@ -25,6 +25,7 @@ from olmoflow.artifacts import (
 from olmoflow.config import RunConfig, dump_config
 from olmoflow.model.hf import save_hf_dir
 from olmoflow.tokenizer import copy_tokenizer_files
+from olmoflow.train.checkpoint import list_checkpoints
 
 DATA_STAGES = ("collect", "clean", "train-tokenizer", "tokenize")
 
@@ -40,9 +41,7 @@ def _checkpoints_csv(run_dir: Path) -> str:
             m = json.loads(line)
             losses[m["step"]] = m["loss"]
     rows = ["step,tokens,path,loss"]
-    steps = sorted((p for p in pretrain.glob("step*") if (p / "trainer_state.pt").is_file()),
-                   key=lambda p: int(p.name.removeprefix("step")))
-    for p in steps:
+    for p in list_checkpoints(pretrain):  # both name forms: stage1-step10-tokens6K and step10
         state = torch.load(p / "trainer_state.pt", weights_only=False)
         loss = losses.get(state["step"])
         rows.append(f"{state['step']},{state['tokens_seen']},{p.relative_to(run_dir).as_posix()},"

@@ -1,16 +1,27 @@
-"""Training checkpoints: ``save_folder/stepN/`` with model + optimizer state through
-``torch.distributed.checkpoint`` (so a run saved on N processes loads on M) and the trainer state.
+"""Training checkpoints named like OLMo's, an index of them, and a pruning policy.
 
-A step directory is written under a temporary name and renamed when complete; ``latest`` (a text
-file naming the newest complete step directory) is updated atomically after it. A crash mid-save
-therefore never leaves a checkpoint that a resume would trust.
+A checkpoint is a directory ``save_folder/{stage}-step{N}-tokens{T}`` (``stage1-step1000-tokens5M``;
+see :func:`format_tokens` for ``T``) holding model and optimizer state through
+``torch.distributed.checkpoint`` (so a run saved on N processes loads on M) in ``model_and_optim/``,
+the trainer state (step, tokens seen, data-loader cursor, every RNG state, scheduler and optimizer
+extras) in ``trainer_state.pt``, and the resolved run config in ``config.yaml``. Directories of the
+older ``stepN`` form are still read.
+
+A checkpoint is written under a temporary name and renamed when complete; then older checkpoints
+are pruned (``keep_every``/``keep_last``), ``checkpoints.csv`` (every checkpoint ever saved, kept or
+pruned) is rewritten atomically, and ``latest`` (a text file naming the newest checkpoint) is
+written last. A crash mid-save therefore never leaves a checkpoint that a resume would trust.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import random
+import re
 import shutil
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +37,55 @@ from torch.distributed.checkpoint.state_dict import (
 
 from olmoflow.artifacts import atomic_write_text
 from olmoflow.errors import OlmoflowError
+from olmoflow.train import distributed
 
 LATEST = "latest"
+INDEX = "checkpoints.csv"
+INDEX_FIELDS = ("step", "tokens", "name", "loss", "saved_at", "status")
+TRAINER_STATE = "trainer_state.pt"
+# "{stage}-step{N}-tokens{T}" (the stage may itself contain hyphens) or the older "stepN".
+_NAME = re.compile(r"^(?:(?P<stage>.+)-)?step(?P<step>\d+)(?:-tokens(?P<tokens>\d+[KMB]?))?$")
+_UNITS = (("B", 10**9), ("M", 10**6), ("K", 10**3))
 
 # One process without init_process_group is a supported dcp mode, not a problem to warn about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def format_tokens(tokens: int) -> str:
+    """Token count for a checkpoint name: the largest unit of K=1e3, M=1e6, B=1e9 that is at most
+    ``tokens``, rounded UP to a whole number of it, as OLMo 2's published checkpoints do in B
+    (step 1000 x 4,194,304 tokens = 4.19B -> ``tokens5B``; 3.895T -> ``tokens3896B``); below
+    1000, the exact count. Names stay unique because the step is in them too.
+
+    >>> format_tokens(640), format_tokens(5120), format_tokens(4_194_304_000)
+    ('640', '6K', '5B')
+    """
+    for unit, size in _UNITS:
+        if tokens >= size:
+            return f"{-(-tokens // size)}{unit}"
+    return str(tokens)
+
+
+def checkpoint_name(stage: str, step: int, tokens: int) -> str:
+    """``{stage}-step{step}-tokens{format_tokens(tokens)}``, e.g. ``stage1-step1000-tokens5B``."""
+    return f"{stage}-step{step}-tokens{format_tokens(tokens)}"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step of a checkpoint directory name (new ``stage1-step10-tokens6K`` or old ``step10``
+    form), or None when ``name`` is not one."""
+    m = _NAME.match(name)
+    return int(m["step"]) if m else None
+
+
+def list_checkpoints(save_folder: Path) -> list[Path]:
+    """The complete checkpoint directories in ``save_folder`` (either name form), oldest first."""
+    save_folder = Path(save_folder)
+    if not save_folder.is_dir():
+        return []
+    found = [(step, p) for p in save_folder.iterdir()
+             if (step := parse_checkpoint_name(p.name)) is not None and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name))]
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,6 +98,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -50,23 +106,91 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
-                    config_yaml: str) -> Path:
-    """Write ``save_folder/step{step}`` and point ``latest`` at it. Returns the directory."""
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind ``optimizer`` (a composite such as Muon + AdamW lists several)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimizer,
+                    trainer_state: dict[str, Any], config_yaml: str, *, stage: str = "stage1",
+                    loss: float | None = None, keep_every: int = 0, keep_last: int = 0) -> Path:
+    """Write the checkpoint of ``step``, prune by policy, update the index, point ``latest`` at it.
+
+    Args:
+        trainer_state: must hold ``tokens_seen`` (used in the name); saved with the RNG states.
+        stage: the name's prefix (``train.stage``).
+        loss: the training loss at this step, recorded in ``checkpoints.csv``.
+        keep_every, keep_last: see :func:`prune_checkpoints`.
+    Returns:
+        The checkpoint directory.
+    """
     save_folder = Path(save_folder)
-    final = save_folder / f"step{step}"
-    tmp = save_folder / f".step{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    final = save_folder / checkpoint_name(stage, step, int(trainer_state["tokens_seen"]))
+    tmp = save_folder / f".{final.name}.tmp"
+    # Under torchrun every rank writes its shards through dcp; rank 0 alone makes, renames and
+    # prunes directories and writes the index, and the barriers keep the others out meanwhile.
+    main = distributed.is_main()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "model_and_optim"))
-    torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    atomic_write_text(save_folder / LATEST, final.name + "\n")
+    if main:
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
+        (tmp / "config.yaml").write_text(config_yaml)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pruned = prune_checkpoints(save_folder, final, keep_every=keep_every, keep_last=keep_last)
+        row = {"step": step, "tokens": int(trainer_state["tokens_seen"]), "name": final.name,
+               "loss": "" if loss is None else f"{loss:.6f}",
+               "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "status": "kept"}
+        _update_index(save_folder, row, pruned)
+        atomic_write_text(save_folder / LATEST, final.name + "\n")
+    distributed.barrier()
     return final
+
+
+def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,
+                      keep_last: int = 0) -> list[str]:
+    """Delete checkpoints the policy no longer keeps; return their names.
+
+    Kept: every checkpoint whose step is a multiple of ``keep_every`` (when > 0), forever; of the
+    rest, the newest ``keep_last`` (0 keeps all); and always ``newest`` (the one just saved).
+    Checkpoints of steps after ``newest`` (left by a run resumed from an earlier one) are neither
+    counted nor touched.
+    """
+    if keep_last <= 0:
+        return []
+    newest_step = parse_checkpoint_name(newest.name)
+    rest = [p for p in list_checkpoints(save_folder)
+            if (s := parse_checkpoint_name(p.name)) <= newest_step
+            and not (keep_every > 0 and s % keep_every == 0)]
+    doomed = [p for p in rest[: max(0, len(rest) - keep_last)] if p != newest]
+    for p in doomed:
+        shutil.rmtree(p)
+    return [p.name for p in doomed]
+
+
+def read_index(save_folder: Path) -> list[dict[str, str]]:
+    """The rows of ``save_folder/checkpoints.csv`` (empty when there is none)."""
+    path = Path(save_folder) / INDEX
+    if not path.is_file():
+        return []
+    return list(csv.DictReader(io.StringIO(path.read_text())))
+
+
+def _update_index(save_folder: Path, row: dict[str, Any], pruned: list[str]) -> None:
+    rows = {r["name"]: r for r in read_index(save_folder)}
+    rows[row["name"]] = {k: str(v) for k, v in row.items()}
+    for name in pruned:
+        if name in rows:
+            rows[name]["status"] = "pruned"
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=INDEX_FIELDS, lineterminator="\n")
+    w.writeheader()
+    w.writerows(sorted(rows.values(), key=lambda r: (int(r["step"]), r["name"])))
+    atomic_write_text(Path(save_folder) / INDEX, buf.getvalue())
 
 
 def has_checkpoint(save_folder: Path) -> bool:
@@ -79,7 +203,11 @@ def has_checkpoint(save_folder: Path) -> bool:
 
 
 def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
-    """``latest`` -> the newest complete step directory; otherwise a path (absolute or in the folder).
+    """Find the checkpoint directory ``resume_from`` names.
+
+    ``latest`` -> the directory the ``latest`` pointer names, or (pointer missing or stale) the
+    complete checkpoint with the highest step; a path (absolute, or relative to ``save_folder``);
+    or ``stepN`` -> the checkpoint of step N whatever its stage and token suffix.
 
     Raises:
         OlmoflowError: nothing to resume from.
@@ -87,36 +215,49 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     save_folder = Path(save_folder)
     if resume_from == LATEST:
         pointer = save_folder / LATEST
-        if pointer.is_file() and (save_folder / pointer.read_text().strip() / "trainer_state.pt").is_file():
-            return save_folder / pointer.read_text().strip()
-        # The pointer is written last; without it, the newest complete step directory is latest.
-        steps = [p for p in save_folder.glob("step*")
-                 if p.name[4:].isdigit() and (p / "trainer_state.pt").is_file()]
-        if not steps:
+        if pointer.is_file():
+            cand = save_folder / pointer.read_text().strip()
+            if pointer.read_text().strip() and (cand / TRAINER_STATE).is_file():
+                return cand
+        # The pointer is written last; without it, the newest complete checkpoint is latest.
+        found = list_checkpoints(save_folder)
+        if not found:
             raise OlmoflowError(f"resume_from=latest but '{save_folder}' has no complete checkpoint")
-        return max(steps, key=lambda p: int(p.name[4:]))
+        return max(found, key=lambda p: parse_checkpoint_name(p.name))
     p = Path(resume_from)
     for cand in (p, save_folder / p):
-        if (cand / "trainer_state.pt").is_file():
+        if (cand / TRAINER_STATE).is_file():
             return cand
-    raise OlmoflowError(f"no checkpoint at '{resume_from}' (expected a stepN directory or 'latest')")
+    step = parse_checkpoint_name(p.name)
+    same_step = [c for c in list_checkpoints(save_folder) if parse_checkpoint_name(c.name) == step]
+    if step is not None and str(p) == p.name and same_step:
+        return same_step[-1]
+    names = [c.name for c in list_checkpoints(save_folder)]
+    raise OlmoflowError(f"no checkpoint at '{resume_from}' (expected 'latest', a checkpoint "
+                        f"directory or stepN; '{save_folder}' has: {', '.join(names) or 'none'})")
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG states from ``path``; return the trainer state."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    optimizers = _optimizers(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer_state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
     set_rng_state(trainer_state.pop("rng"))
     return trainer_state
 
 
 def load_model(path: Path, model: torch.nn.Module) -> None:
-    """Restore only the model weights from a step directory (evaluation, export, release)."""
+    """Restore only the model weights from a checkpoint directory (evaluation, export, release)."""
     model_state = get_model_state_dict(model)
     state = {"model": model_state}
     dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
     set_model_state_dict(model, state["model"])
+
+
+def step_and_tokens(path: Path) -> tuple[int, int]:
+    """``(step, tokens_seen)`` stored in a checkpoint directory's trainer state."""
+    state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    return int(state["step"]), int(state["tokens_seen"])

@@ -1,0 +1,328 @@
+"""Run a data step's shard jobs in a local process pool, as Ray tasks, or serially, resumably.
+
+A *shard job* is a top-level (picklable) function ``fn(task: dict) -> dict``. ``task`` holds plain
+values (paths as ``str``, a config dict); the returned dict holds JSON-able stats, by convention::
+
+    {"documents_in", "documents_out", "bytes_in", "bytes_out",
+     "removed": {"<rule>": {"documents": n, "bytes": b}}, "errors": [...],
+     "outputs": ["/abs/path/of/each/file/written", ...]}
+
+A job writes its files atomically (:func:`olmoflow.artifacts.atomic_open`), so a file that exists
+is complete. After a job returns, the driver writes a *done-marker* into ``done_dir``: the task, the
+result, the size and mtime of the files it read (the task's ``input``, ``documents`` and
+``attributes`` values) and the size of every output. On a rerun a task is skipped (its stored
+result returned) when its marker is present, its inputs are unchanged and every output still
+exists with its recorded size; otherwise it runs again.
+A crash mid-shard leaves no marker, so a half-written shard is redone and finished ones are not.
+
+Outputs are taken from ``result["outputs"]``, else from ``task["outputs"]`` / ``task["output"]``.
+The marker's name is a hash of the task, so a changed config or input makes a fresh task.
+
+Results come back in task order whatever the executor and the number of workers, so a step that
+writes one output per task is byte-identical for ``serial``, ``local`` with any ``workers``, and
+``ray`` (the same design as Dolma's and datatrove's per-file parallelism).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from olmoflow.artifacts import atomic_write_json, sha256_json
+from olmoflow.errors import OlmoflowError, unknown_name_error
+
+log = logging.getLogger(__name__)
+
+EXECUTORS = ("local", "ray", "serial")
+MARKER_SUFFIX = ".done.json"
+#: Task keys naming the files a job reads; their size and mtime are checked before a skip.
+INPUT_KEYS = ("input", "documents", "attributes")
+STAT_KEYS = ("documents_in", "documents_out", "bytes_in", "bytes_out")
+
+ShardJob = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def task_key(task: dict[str, Any]) -> str:
+    """A stable name for a task: the first 24 hex digits of sha256 of its sorted-key JSON."""
+    return sha256_json(task)[:24]
+
+
+def _outputs(task: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    outs = result.get("outputs")
+    if outs is None:
+        outs = task.get("outputs")
+    if outs is None:
+        outs = [task["output"]] if task.get("output") else []
+    return [str(o) for o in outs]
+
+
+def _input_stamps(task: dict[str, Any]) -> list[list[Any]]:
+    """``[path, size, mtime_ns]`` of the existing files a task reads (its :data:`INPUT_KEYS`
+    values: a path, or a list / dict of paths), so a rewritten input makes a task stale."""
+    out = []
+    for key in INPUT_KEYS:
+        v = task.get(key)
+        paths = [v] if isinstance(v, str) else list(v.values()) if isinstance(v, dict) else \
+            list(v) if isinstance(v, list) else []
+        for p in paths:
+            if isinstance(p, str) and os.path.isfile(p):
+                st = os.stat(p)
+                out.append([p, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def marker_path(done_dir: Path, task: dict[str, Any]) -> Path:
+    """Where the done-marker of ``task`` lives in ``done_dir``."""
+    return Path(done_dir) / f"{task_key(task)}{MARKER_SUFFIX}"
+
+
+def _done_result(done_dir: Path, task: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored result of a finished task whose outputs all still exist, else None."""
+    try:
+        marker = json.loads(marker_path(done_dir, task).read_text())
+    except (OSError, ValueError):
+        return None
+    if marker.get("inputs", []) != _input_stamps(task):
+        return None
+    for rec in marker.get("outputs", []):
+        p = Path(rec["path"])
+        if not p.is_file() or p.stat().st_size != rec["bytes"]:
+            return None
+    return marker.get("result")
+
+
+def _mark_done(done_dir: Path, task: dict[str, Any], result: dict[str, Any]) -> None:
+    outs = []
+    for o in _outputs(task, result):
+        p = Path(o)
+        if not p.is_file():
+            raise RuntimeError(f"shard job reported output {p} but did not write it")
+        outs.append({"path": o, "bytes": p.stat().st_size})
+    atomic_write_json(marker_path(done_dir, task),
+                      {"task": task, "result": result, "inputs": _input_stamps(task),
+                       "outputs": outs, "finished": time.time()})
+
+
+def _check_result(task: dict[str, Any], result: Any) -> dict[str, Any]:
+    if not isinstance(result, dict):
+        raise TypeError(f"shard job returned {type(result).__name__}, not dict, for task {task}")
+    return result
+
+
+def default_workers() -> int:
+    """``os.cpu_count()`` (1 when unknown)."""
+    return os.cpu_count() or 1
+
+
+def run_shards(
+    fn: ShardJob,
+    tasks: Iterable[dict[str, Any]],
+    *,
+    executor: str = "local",
+    workers: int | None = None,
+    done_dir: str | os.PathLike | None = None,
+    desc: str = "shards",
+    ray_address: str | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Run ``fn(task)`` for every task and return the results in task order.
+
+    Args:
+        fn: a top-level shard job (picklable by reference).
+        tasks: plain-value dicts (JSON-able; they are hashed to name done-markers).
+        executor: ``"local"`` (a process pool with the ``forkserver`` start method, safe when torch
+            is loaded), ``"ray"`` (Ray tasks, one CPU each) or ``"serial"`` (in this process).
+        workers: processes (local) or CPUs for a local Ray instance; default ``os.cpu_count()``.
+            With one worker or one pending task, ``local`` runs in this process (same results).
+        done_dir: where done-markers go; None disables resuming (every task runs).
+        desc: a tag for logs and the progress bar.
+        ray_address: a Ray cluster address; default ``$RAY_ADDRESS``, else a local instance.
+        progress: show a tqdm bar.
+
+    Returns:
+        One result dict per task, in task order (stored results for skipped tasks).
+
+    Raises:
+        OlmoflowError: unknown executor, bad ``workers``, or Ray not installed / not reachable;
+            and whatever a job raises (the first failure in task order; finished tasks keep their
+            markers, so a rerun resumes after the fix).
+    """
+    tasks = list(tasks)
+    if executor not in EXECUTORS:
+        raise unknown_name_error("executor", executor, EXECUTORS)
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise OlmoflowError(f"workers must be a positive integer, got {workers!r}")
+    workers = workers or default_workers()
+    done = Path(done_dir) if done_dir is not None else None
+
+    results: list[dict[str, Any] | None] = [None] * len(tasks)
+    pending: list[int] = []
+    for i, task in enumerate(tasks):
+        stored = _done_result(done, task) if done is not None else None
+        if stored is not None:
+            results[i] = stored
+        else:
+            pending.append(i)
+    if len(pending) < len(tasks):
+        log.info("%s: %d of %d shards already done, skipped", desc, len(tasks) - len(pending),
+                 len(tasks))
+
+    def finish(i: int, result: Any) -> None:
+        result = _check_result(tasks[i], result)
+        if done is not None:
+            _mark_done(done, tasks[i], result)
+        results[i] = result
+
+    bar = None
+    if progress and pending:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), initial=len(tasks) - len(pending), desc=desc, unit="shard")
+    try:
+        if executor == "ray":
+            _run_ray(fn, tasks, pending, finish, workers, ray_address, bar)
+        elif executor == "serial" or workers == 1 or len(pending) <= 1:
+            for i in pending:
+                finish(i, fn(tasks[i]))
+                if bar is not None:
+                    bar.update(1)
+        else:
+            _run_pool(fn, tasks, pending, finish, workers, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results  # type: ignore[return-value]
+
+
+_POOLS: dict[int, cf.ProcessPoolExecutor] = {}
+
+
+def _pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A process pool of ``workers`` processes, kept for the next step of the same run.
+
+    Workers start from a ``forkserver`` that has imported olmoflow (and so torch) once: a fresh
+    spawn per worker and per step would pay that import (seconds) every time, and per-process
+    caches (the language-id model, the tokenizer) survive from one step to the next.
+    """
+    pool = _POOLS.get(workers)
+    if pool is not None and not getattr(pool, "_broken", False):
+        return pool
+    ctx = multiprocessing.get_context("forkserver")
+    with contextlib.suppress(ValueError, RuntimeError):  # the forkserver may already run
+        ctx.set_forkserver_preload(["olmoflow.data.executor"])
+    for old in _POOLS.values():
+        old.shutdown(wait=False, cancel_futures=True)
+    _POOLS.clear()
+    _POOLS[workers] = pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    return pool
+
+
+def shutdown_pools() -> None:
+    """Stop the kept worker processes (they also stop when the interpreter exits)."""
+    for pool in _POOLS.values():
+        pool.shutdown(wait=True, cancel_futures=True)
+    _POOLS.clear()
+
+
+def _run_pool(fn, tasks, pending, finish, workers, bar) -> None:
+    futures = {_pool(workers).submit(fn, tasks[i]): i for i in pending}
+    failed: dict[int, BaseException] = {}
+    try:
+        for fut in cf.as_completed(futures):
+            if fut.cancelled():
+                continue
+            i = futures[fut]
+            exc = fut.exception()
+            if exc is not None:
+                failed[i] = exc
+                for f in futures:
+                    f.cancel()
+                continue
+            finish(i, fut.result())
+            if bar is not None:
+                bar.update(1)
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+    if failed:
+        raise failed[min(failed)]
+
+
+def ray_init(workers: int | None = None, address: str | None = None) -> None:
+    """Connect to Ray once per process: ``address`` (or ``$RAY_ADDRESS``) for a cluster, else
+    start a local instance with ``workers`` CPUs and no dashboard. A no-op when connected.
+
+    Raises:
+        OlmoflowError: Ray is not installed (``pip install 'olmoflow[ray]'``).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise OlmoflowError("executor 'ray' needs Ray: pip install 'olmoflow[ray]'") from None
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=workers or default_workers(), include_dashboard=False,
+                 log_to_driver=False)
+
+
+def _run_ray(fn, tasks, pending, finish, workers, address, bar) -> None:
+    ray_init(workers, address)
+    import ray
+
+    remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+    refs = {remote.remote(tasks[i]): i for i in pending}
+    waiting = list(refs)
+    failed: dict[int, BaseException] = {}
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1)
+        i = refs[ready[0]]
+        try:
+            result = ray.get(ready[0])
+        except ray.exceptions.RayTaskError as e:
+            # Re-raise the job's own exception (an OlmoflowError stays one) in task order.
+            cause = getattr(e, "cause", None)
+            failed[i] = cause if isinstance(cause, BaseException) else e
+            for r in waiting:
+                ray.cancel(r)
+            waiting = []
+            continue
+        finish(i, result)
+        if bar is not None:
+            bar.update(1)
+    if failed:
+        raise failed[min(failed)]
+
+
+def sum_stats(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Add up shard stats: the :data:`STAT_KEYS` counters, ``removed`` per rule (documents and
+    bytes), and the concatenated ``errors``. Keys missing from every result are left out."""
+    total: dict[str, Any] = {}
+    removed: dict[str, dict[str, int]] = {}
+    errors: list[Any] = []
+    for r in results:
+        for k in STAT_KEYS:
+            if k in r:
+                total[k] = total.get(k, 0) + r[k]
+        for rule, rec in (r.get("removed") or {}).items():
+            acc = removed.setdefault(rule, {"documents": 0, "bytes": 0})
+            acc["documents"] += rec.get("documents", 0)
+            acc["bytes"] += rec.get("bytes", 0)
+        errors.extend(r.get("errors") or [])
+    if removed:
+        total["removed"] = dict(sorted(removed.items()))
+    if errors:
+        total["errors"] = errors
+    return total

@@ -1,0 +1,343 @@
+"""The data engine's steps: how each builds its shard tasks, runs them and sums their stats.
+
+Each runner takes the :class:`~olmoflow.data.engine.Engine` and returns ``(StageResult, extra)``;
+``extra`` goes into the step's manifest: ``shards`` (the files it wrote, in order, with their
+source: what the next step reads) and ``errors`` (examples of bad input, ``file:line: reason``).
+The shard jobs themselves live with their modules: ``ingest_shard`` (sources), ``tag_shard``
+(taggers), dedup / decontam / mixer jobs, and :func:`~olmoflow.data.tokenize_shards.tokenize_shard`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from olmoflow.artifacts import StageResult, read_manifest
+from olmoflow.data.engine import (
+    STEP_DIRS, Engine, error_examples, expand_paths, relative_shards, step_stats,
+)
+from olmoflow.errors import OlmoflowError
+
+#: The steps whose outputs (and so fingerprints) a step depends on.
+UPSTREAM = {
+    "ingest": [],
+    "tag": ["ingest"],
+    "dedup": ["ingest"],
+    "decontaminate": ["ingest"],
+    "mix": ["ingest", "tag", "dedup", "decontaminate"],
+    "tokenize": ["mix"],
+}
+DOC_SUFFIX = ".jsonl.gz"
+
+
+def step_config(engine: Engine, step: str) -> dict[str, Any]:
+    """The part of the config a step depends on (fingerprinted and saved in its manifest)."""
+    cfg = engine.cfg
+    common = {"strict": cfg.strict}
+    if step == "ingest":
+        srcs = [{"name": s.name, "paths": s.paths, "options": s.options,
+                 "files": _stamps(s.paths)} for s in cfg.sources]
+        return {**common, "sources": srcs}
+    if step == "tag":
+        return {**common, "taggers": cfg.taggers, "quality": _asdict(cfg.quality)}
+    if step == "dedup":
+        return {**common, "dedup": cfg.dedup}
+    if step == "decontaminate":
+        return {**common, "decontamination": cfg.decontamination}
+    if step == "mix":
+        return {**common, "mixer": cfg.mixer}
+    if step == "tokenize":
+        t = _asdict(cfg.tokenize)
+        t.pop("workers")  # any worker count gives the same bytes
+        if cfg.tokenize.tokenizer:
+            t["tokenizer_files"] = _stamps([cfg.tokenize.tokenizer])
+        return t
+    raise KeyError(step)
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def _stamps(entries: list[str]) -> list[Any]:
+    """(path, size, mtime) of the files named, so an edited input invalidates the step."""
+    out = []
+    for e in entries:
+        try:
+            files = expand_paths([e])
+        except OlmoflowError:
+            out.append([e, None])
+            continue
+        for f in files:
+            p = Path(f)
+            out.append([f, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [f])
+    return out
+
+
+def _finish(engine: Engine, step: str, tasks: list[dict[str, Any]],
+            results: list[dict[str, Any]], shards: list[dict[str, str]],
+            inputs: list[Path], extra_counts: dict[str, Any] | None = None
+            ) -> tuple[StageResult, dict[str, Any]]:
+    out = engine.step_dir(step)
+    extra_counts = dict(extra_counts or {})
+    errors = error_examples(results)
+    if isinstance(extra_counts.get("errors"), list):  # a global step's own list of bad lines
+        errors = (errors + extra_counts.pop("errors"))[:20]
+    counts = {**step_stats(tasks, results), **extra_counts}
+    outputs = [out / s["path"] for s in shards]
+    return (StageResult(inputs=inputs, outputs=outputs, counts=counts),
+            {"shards": shards, "errors": errors})
+
+
+def _doc_shards(engine: Engine) -> list[dict[str, str]]:
+    return engine.shards("ingest")
+
+
+def _rel(engine: Engine, step: str, shard: dict[str, str]) -> str:
+    return Path(shard["path"]).relative_to(engine.step_dir(step)).as_posix()
+
+
+# ---- ingest ----------------------------------------------------------------------------------------
+
+
+def run_ingest(engine: Engine):
+    from olmoflow.data.sources import ingest_shard, ingest_tasks
+
+    cfg, out = engine.cfg, engine.step_dir("ingest")
+    if not cfg.sources:
+        raise OlmoflowError("the config has no 'sources' to ingest")
+    tasks = []
+    for s in cfg.sources:
+        tasks += ingest_tasks(s.name, s.paths, out, options=s.options, strict=cfg.strict)
+    results = engine.run_jobs("ingest", ingest_shard, tasks)
+    shards = [{"source": t["source"], "path": Path(o).relative_to(out).as_posix()}
+              for t, r in zip(tasks, results) for o in r["outputs"]]
+    shards.sort(key=lambda s: s["path"])  # corpus order, as dedup and the mixer list shards
+    # Shards of sources or files no longer in the config would be read by the later steps.
+    keep = {s["path"] for s in shards}
+    for p in out.rglob("*.jsonl.gz"):
+        if p.relative_to(out).as_posix() not in keep:
+            p.unlink()
+    inputs = [Path(t["input"]) for t in tasks if Path(t["input"]).is_file()]
+    return _finish(engine, "ingest", tasks, results, shards, inputs)
+
+
+# ---- tag ---------------------------------------------------------------------------------------------
+
+
+def quality_model(engine: Engine) -> str | None:
+    """The quality classifier the ``quality`` tagger uses: ``quality.model``, or one trained from
+    ``quality.labeled`` into ``DIR/quality`` (trained once; reused while the labels are unchanged)."""
+    q = engine.cfg.quality
+    if q.model:
+        return str(Path(q.model).resolve())
+    if not q.labeled:
+        return None
+    from olmoflow.artifacts import is_complete, now, sha256_json, write_manifest
+    from olmoflow.data.taggers.quality import MODEL_FILE, REPORT_FILE, train_quality
+
+    out = engine.root / "quality"
+    fp = sha256_json({"labeled": _stamps(q.labeled), "options": q.options})
+    if engine.force or not is_complete(out, fp):
+        started = now()
+        files = expand_paths(q.labeled)
+        res = train_quality(files, out, **q.options)
+        write_manifest(out, stage="data train-quality", command="olmoflow data train-quality",
+                       config=_asdict(q), fingerprint=fp, inputs=[Path(f) for f in files],
+                       outputs=[out / MODEL_FILE, out / REPORT_FILE],
+                       counts={k: v for k, v in res.items() if k != "errors"}, started=started)
+    return str(out)
+
+
+def run_tag(engine: Engine):
+    from olmoflow.data.taggers import tag_shard
+
+    cfg, out = engine.cfg, engine.step_dir("tag")
+    if not cfg.taggers:
+        raise OlmoflowError("the config lists no 'taggers'")
+    taggers = with_quality_model(cfg.taggers, quality_model(engine))
+    tasks = []
+    for s in _doc_shards(engine):
+        rel = _rel(engine, "ingest", s)
+        tasks.append({"documents": s["path"], "source": s["source"], "output": str(out / rel),
+                      "taggers": taggers, "strict": cfg.strict,
+                      "input_sig": _sig(s["path"])})
+    results = engine.run_jobs("tag", tag_shard, tasks)
+    return _finish(engine, "tag", tasks, results, relative_shards(out, tasks),
+                   [Path(t["documents"]) for t in tasks])
+
+
+def _sig(path: str) -> list[int]:
+    """``[size, mtime_ns]``: in a task, so that a rewritten input makes a fresh task."""
+    st = Path(path).stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:
+    """The tagger specs with ``model`` set on a ``quality`` tagger that names none."""
+    if model is None:
+        return taggers
+    out = []
+    for spec in taggers:
+        if spec == "quality":
+            spec = {"quality": {"model": model}}
+        elif isinstance(spec, dict) and "quality" in spec:
+            opts = dict(spec["quality"] or {})
+            opts.setdefault("model", model)
+            spec = {**spec, "quality": opts}
+        out.append(spec)
+    return out
+
+
+# ---- dedup and decontamination (map, reduce in the driver, map) ---------------------------------------
+
+
+def run_dedup(engine: Engine):
+    from olmoflow.data import dedup
+
+    out = engine.step_dir("dedup")
+    shards = _doc_shards(engine)
+    tasks = [{"input": s["path"], "source": s["source"],
+              "output": str(out / _rel(engine, "ingest", s))} for s in shards]
+    res = dedup.run_dedup(engine.cfg.dedup, tasks, engine.root, engine.run_jobs,
+                          strict=engine.cfg.strict)
+    return _finish(engine, "dedup", tasks, res["results"], relative_shards(out, tasks),
+                   [Path(t["input"]) for t in tasks], res.get("counts"))
+
+
+def run_decontaminate(engine: Engine):
+    from olmoflow.data import decontam
+
+    out = engine.step_dir("decontaminate")
+    shards = _doc_shards(engine)
+    tasks = [{"input": s["path"], "source": s["source"],
+              "output": str(out / _rel(engine, "ingest", s))} for s in shards]
+    res = decontam.run_decontam(engine.cfg.decontamination, tasks, engine.root, engine.run_jobs,
+                                strict=engine.cfg.strict)
+    return _finish(engine, "decontaminate", tasks, res["results"], relative_shards(out, tasks),
+                   [Path(t["input"]) for t in tasks], res.get("counts"))
+
+
+# ---- mix ---------------------------------------------------------------------------------------------
+
+
+def attribute_sets(engine: Engine) -> list[str]:
+    """Attribute sets present for the mixer: those of the finished tag / dedup / decontam steps."""
+    sets = []
+    for step in ("tag", "dedup", "decontaminate"):
+        if read_manifest(engine.step_dir(step)) is not None:
+            sets.append(Path(STEP_DIRS[step]).name)
+    return sets
+
+
+def mixer_options(engine: Engine) -> dict[str, Any]:
+    """The mixer config with what dedup and decontamination ask for merged in: their attribute
+    sets, their ``exclude`` rules (dedup: every flagged copy; decontamination with ``action:
+    drop``: contaminated documents) and ``remove_spans`` (duplicate paragraphs). ``attributes``
+    defaults to every attribute set the finished steps wrote."""
+    from olmoflow.data import decontam, dedup
+
+    options = dict(engine.cfg.mixer)
+    sets = attribute_sets(engine)
+    options.setdefault("attributes", sets)
+    extra = []
+    if "dedup" in sets:
+        extra.append(dedup.mixer_rules(engine.cfg.dedup))
+    if "decontam" in sets:
+        extra.append(decontam.mixer_rules(engine.cfg.decontamination))
+    for rules in extra:
+        for key in ("attributes", "exclude", "remove_spans"):
+            have = list(options.get(key) or [])
+            have += [r for r in rules.get(key, []) if r not in have]
+            options[key] = have
+    return options
+
+
+def run_mix(engine: Engine):
+    from olmoflow.data import mixer
+
+    cfg, out = engine.cfg, engine.step_dir("mix")
+    options = mixer_options(engine)
+    summary = mixer.mix(engine.root, options, executor=cfg.executor, workers=cfg.workers,
+                        strict=cfg.strict, progress=engine.progress)
+    parts = sorted(Path(o) for o in summary.pop("outputs") if Path(o).is_relative_to(out))
+    shards = [{"source": p.relative_to(out).parts[0], "path": p.relative_to(out).as_posix()}
+              for p in parts]
+    counts = dict(summary)
+    counts["sources"] = counts.pop("per_source", {})
+    counts["shards"] = len(parts)
+    errors = counts.get("errors") or []
+    counts["errors"] = len(errors)
+    for sc in counts["sources"].values():
+        sc["errors"] = len(sc.get("errors") or [])
+    inputs = [Path(s["path"]) for s in _doc_shards(engine)]
+    return (StageResult(inputs=inputs, outputs=parts, counts=counts),
+            {"shards": shards, "errors": errors[:20]})
+
+
+# ---- tokenize ----------------------------------------------------------------------------------------
+
+
+def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
+    """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else a BPE
+    trained on the mixed documents into ``DIR/tokenizer`` (trained again when they change)."""
+    from olmoflow.artifacts import data_files, is_complete, now, sha256_json, write_manifest
+
+    t = engine.cfg.tokenize
+    if t.tokenizer:
+        d = Path(t.tokenizer).resolve()
+        if not (d / "tokenizer.json").is_file() and t.implementation == "bpe":
+            raise OlmoflowError(f"tokenize.tokenizer: no tokenizer.json in {d}")
+        return str(d), data_files(d)
+    from olmoflow.data.documents import read_documents
+    from olmoflow.tokenizer import BPETokenizer
+
+    out = engine.root / "tokenizer"
+    mixed = [Path(s["path"]) for s in engine.shards("mix")]
+    fp = sha256_json({"mixed": (read_manifest(engine.step_dir("mix")) or {}).get("fingerprint"),
+                      "vocab_size": t.vocab_size, "min_frequency": t.min_frequency})
+    if engine.force or not is_complete(out, fp):
+        started = now()
+        texts = (d["text"] for p in mixed for d in read_documents(p))
+        tok = BPETokenizer().train_from_texts(texts, vocab_size=t.vocab_size,
+                                               min_frequency=t.min_frequency)
+        files = tok.save(out)
+        write_manifest(out, stage="data train-tokenizer", command="olmoflow data tokenize",
+                       config={"vocab_size": t.vocab_size, "min_frequency": t.min_frequency},
+                       fingerprint=fp, inputs=mixed, outputs=files,
+                       counts={"vocab_size": tok.vocab_size}, started=started)
+    return str(out), data_files(out)
+
+
+def run_tokenize(engine: Engine):
+    from olmoflow.data.tokenize_shards import (
+        check_tokens, index_path, load_tokenizer, resolve_dtype, tokenize_shard, write_meta,
+    )
+
+    t, out = engine.cfg.tokenize, engine.step_dir("tokenize")
+    tok_dir, tok_files = tokenizer_dir(engine)
+    tok = load_tokenizer(tok_dir, t.implementation)
+    dtype = resolve_dtype(t.dtype, tok.vocab_size)
+    mixed = engine.shards("mix")
+    tasks = []
+    for s in mixed:
+        rel = _rel(engine, "mix", s).removesuffix(DOC_SUFFIX)
+        tasks.append({"input": s["path"], "source": s["source"], "output": str(out / f"{rel}.npy"),
+                      "tokenizer": tok_dir, "implementation": t.implementation, "dtype": t.dtype})
+    results = engine.run_jobs("tokenize", tokenize_shard, tasks, workers=t.workers)
+    parts = [Path(x["output"]) for x in tasks]
+    write_meta(out, tok, dtype, parts, results)
+    mixed_docs = (read_manifest(engine.step_dir("mix")) or {}).get("counts", {}).get("documents_out")
+    checked = check_tokens(out, expected_documents=mixed_docs)
+    res, extra = _finish(engine, "tokenize", tasks, results, relative_shards(out, tasks),
+                         [Path(x["input"]) for x in tasks] + tok_files,
+                         {"tokens": checked["tokens"], "dtype": dtype.name,
+                          "vocab_size": tok.vocab_size, "tokenizer": tok_dir})
+    res.outputs += [index_path(p) for p in parts] + [out / "meta.json"]
+    return res, extra
+
+
+RUNNERS = {"ingest": run_ingest, "tag": run_tag, "dedup": run_dedup,
+           "decontaminate": run_decontaminate, "mix": run_mix, "tokenize": run_tokenize}

@@ -1,0 +1,268 @@
+"""Scale-out on ``torch.distributed``: the process group from the torchrun environment, DDP or
+FSDP2 wrapping, the rank's slice of a global batch, and the reductions the trainer needs.
+
+Launch with ``torchrun --nproc_per_node=N -m olmoflow pretrain CONFIG``. torchrun sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
+:func:`init_from_env` reads them and joins the group (NCCL on CUDA, gloo on CPU). Without them
+everything here is a no-op for one process, so the same code trains on a laptop.
+
+The data-parallel contract (what makes N processes train exactly like one):
+
+- every rank draws the same global batch (the loader's order depends on ``(seed, epoch)`` only)
+  and keeps its contiguous slice of ``global_batch_size / world_size`` instances
+  (:func:`shard_batch`);
+- the loss is normalised by the target-token count of the WHOLE global batch (an all-reduce), times
+  ``world_size`` because DDP and FSDP average gradients over ranks; the sum over ranks of the
+  per-rank gradients is then the single-process gradient of the global batch;
+- only rank 0 logs, prints and writes run files (:func:`is_main`); checkpoints go through
+  ``torch.distributed.checkpoint``, whose files load on any number of ranks.
+
+References: PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020); FSDP2 ``fully_shard``
+(PyTorch docs, "Getting Started with Fully Sharded Data Parallel (FSDP2)"), sharded per
+transformer block and then at the root as in torchtitan and OLMo-core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from olmoflow.errors import OlmoflowError
+
+DATA_PARALLEL = ("ddp", "fsdp")
+# Rank 0 may do minutes of single-process work (a data stage, a checkpoint hash) while the others
+# wait at a barrier; NCCL's 10-minute default would kill such a run.
+TIMEOUT_ENV = "OLMOFLOW_DIST_TIMEOUT_MIN"
+DEFAULT_TIMEOUT_MIN = 60
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` of
+    ``local_world_size`` on its node, and its compute ``device`` (``cuda:local_rank`` or cpu)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that logs and writes run files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise OlmoflowError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def current() -> DistInfo:
+    """The :class:`DistInfo` of the initialised process group (one process if there is none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo()
+    backend = dist.get_backend()
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = (torch.device("cuda", local_rank) if backend == "nccl" and torch.cuda.is_available()
+              else torch.device("cpu"))
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                    local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()),
+                    device=device, backend=backend)
+
+
+def init_from_env() -> DistInfo:
+    """Join the process group torchrun describes in the environment (idempotent).
+
+    Backend: NCCL when CUDA is available (each process on ``cuda:LOCAL_RANK``), else gloo. Without
+    ``WORLD_SIZE`` > 1 nothing is initialised and one-process :class:`DistInfo` is returned.
+
+    Raises:
+        OlmoflowError: the torchrun variables are incomplete or not integers, or LOCAL_RANK names
+            a GPU this node does not have.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return current()
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return DistInfo()
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise OlmoflowError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    timeout = timedelta(minutes=_env_int(TIMEOUT_ENV, DEFAULT_TIMEOUT_MIN))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise OlmoflowError(f"LOCAL_RANK={local_rank} but this node has "
+                                f"{torch.cuda.device_count()} GPU(s); lower --nproc_per_node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    atexit.register(shutdown)
+    return current()
+
+
+def shutdown() -> None:
+    """Leave the process group (registered at exit by :func:`init_from_env`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 (always true without a process group)."""
+    return current().is_main
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank (picklable objects; identity in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def per_rank_batch(global_batch_size: int, micro_batch_size: int, info: DistInfo) -> int:
+    """Instances each rank takes from a global batch.
+
+    Raises:
+        OlmoflowError: the global batch does not split into ``world_size`` equal slices, each a
+            whole number of micro-batches.
+    """
+    w = info.world_size
+    if global_batch_size % w:
+        raise OlmoflowError(f"train.global_batch_size={global_batch_size} is not divisible by the "
+                            f"world size {w} (processes); each rank takes an equal slice")
+    local = global_batch_size // w
+    if local % micro_batch_size:
+        raise OlmoflowError(f"train.global_batch_size={global_batch_size} over {w} processes gives "
+                            f"{local} instances per rank, not a multiple of "
+                            f"train.micro_batch_size={micro_batch_size}")
+    return local
+
+
+def shard_batch(batch: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """This rank's contiguous slice ``[B / world_size, ...]`` of a global batch ``[B, ...]``."""
+    if info.world_size == 1:
+        return batch
+    n = batch.shape[0] // info.world_size
+    return batch[info.rank * n:(info.rank + 1) * n]
+
+
+def all_reduce_sum(value: float | int, info: DistInfo) -> float:
+    """The sum of ``value`` over ranks (float64 on the wire; exact for counts below 2**53)."""
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def all_reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """The mean over ranks of each value (one collective for the whole dict)."""
+    if info.world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return {k: v / info.world_size for k, v in zip(keys, t.tolist())}
+
+
+def all_reduce_min(value: int, info: DistInfo) -> int:
+    """The minimum of an integer over ranks (the micro-batch every rank can afford)."""
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([int(value)], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def to_float(t: torch.Tensor | float) -> float:
+    """A Python float from a tensor or DTensor (FSDP2's ``clip_grad_norm_`` returns a DTensor)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
+def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Module:
+    """Wrap ``model`` for data parallelism over the process group; unchanged in one process.
+
+    ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel` (gradients all-reduced in buckets
+    that alias the ``.grad`` tensors, so no second copy of the gradients). ``fsdp``: FSDP2
+    ``fully_shard`` on every ``model.blocks[i]`` and then on the root, so parameters, gradients and
+    optimizer states are sharded over ranks and one block is gathered at a time. Parameters must
+    be identical on all ranks before the call (build the model from the same seed).
+
+    Raises:
+        OlmoflowError: ``data_parallel`` is neither ``ddp`` nor ``fsdp``.
+    """
+    if data_parallel not in DATA_PARALLEL:
+        from olmoflow.errors import unknown_name_error
+
+        raise unknown_name_error("train.data_parallel", data_parallel, DATA_PARALLEL)
+    if info.world_size == 1:
+        return model
+    model = model.to(info.device)
+    if data_parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 keeps the module itself)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return model.module if isinstance(model, DDP) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, DDP backward passes all-reduce gradients only when ``enabled``.
+
+    Gradient accumulation under DDP reduces once, after the last micro-batch (``no_sync()`` for
+    the others). FSDP2 keeps reduce-scattering every micro-batch: skipping it would hold
+    unsharded gradients, the memory FSDP exists to save (as torchtitan does). No-op otherwise.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if enabled or not isinstance(model, DDP):
+        yield
+    else:
+        with model.no_sync():
+            yield

@@ -1,0 +1,127 @@
+"""The data engine's config, parallel tokenization and step runner (resume, skip, accounting)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmoflow.data.documents import write_documents
+from olmoflow.data.engine import load_data_config
+from olmoflow.data.executor import run_shards
+from olmoflow.data.tokenize import read_index, read_token_array
+from olmoflow.data.tokenize_shards import check_tokens, load_tokenizer, tokenize_shard, write_meta
+from olmoflow.errors import OlmoflowError
+from olmoflow.tokenizer import BPETokenizer
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma tau upsilon phi chi psi omega café naïve 東京 🙂").split()
+
+
+def corpus(n_shards: int = 4, per_shard: int = 25) -> list[list[dict]]:
+    rng = np.random.default_rng(0)
+    shards = []
+    for s in range(n_shards):
+        docs = []
+        for i in range(per_shard):
+            words = rng.choice(WORDS, size=int(rng.integers(1, 60)))
+            docs.append({"id": f"s{s}-d{i}", "text": " ".join(words), "source": f"src{s % 2}"})
+        shards.append(docs)
+    return shards
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tok")
+    texts = [d["text"] for shard in corpus() for d in shard]
+    BPETokenizer().train_from_texts(texts, vocab_size=300, min_frequency=1).save(d)
+    return str(d)
+
+
+def write_shards(root: Path) -> list[Path]:
+    paths = []
+    for i, docs in enumerate(corpus()):
+        p = root / "mixed" / docs[0]["source"] / f"{i:05d}.jsonl.gz"
+        write_documents(p, docs)
+        paths.append(p)
+    return paths
+
+
+def tokenize_all(root: Path, tok_dir: str, executor: str, workers: int) -> list[dict]:
+    tasks = [{"input": str(p), "source": p.parent.name,
+              "output": str(root / "tokens" / p.parent.name / p.name.replace(".jsonl.gz", ".npy")),
+              "tokenizer": tok_dir, "dtype": "auto"} for p in write_shards(root)]
+    results = run_shards(tokenize_shard, tasks, executor=executor, workers=workers)
+    tok = load_tokenizer(tok_dir)
+    write_meta(root / "tokens", tok, np.dtype("<u2"), [Path(t["output"]) for t in tasks], results)
+    return results
+
+
+def digests(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_parallel_tokenization_is_byte_identical_and_round_trips(tmp_path, tokenizer_dir):
+    tokenize_all(tmp_path / "a", tokenizer_dir, "serial", 1)
+    results = tokenize_all(tmp_path / "b", tokenizer_dir, "local", 2)
+    assert digests(tmp_path / "a" / "tokens") == digests(tmp_path / "b" / "tokens")
+    checked = check_tokens(tmp_path / "b" / "tokens", expected_documents=100)
+    assert checked["documents"] == 100 and checked["tokens"] == sum(r["tokens"] for r in results)
+    # Every document decodes back to its text, and ends with EOS.
+    tok = load_tokenizer(tokenizer_dir)
+    docs = [d for shard in corpus() for d in shard]
+    seen = 0
+    for npy in sorted((tmp_path / "b" / "tokens").rglob("*.npy")):
+        arr = read_token_array(npy, "uint16")
+        rows = read_index(npy.with_name(npy.name.replace(".npy", ".csv.gz")))
+        for start, end, doc_id, source in rows:
+            doc = next(d for d in docs if d["id"] == doc_id)
+            assert arr[end - 1] == tok.eos_token_id and source == doc["source"]
+            assert tok.decode(arr[start:end - 1].tolist()) == doc["text"]
+            seen += 1
+    assert seen == 100
+
+
+def test_check_tokens_catches_a_truncated_array_and_a_missing_document(tmp_path, tokenizer_dir):
+    tokenize_all(tmp_path, tokenizer_dir, "serial", 1)
+    with pytest.raises(OlmoflowError, match="went in"):
+        check_tokens(tmp_path / "tokens", expected_documents=101)
+    npy = sorted((tmp_path / "tokens").rglob("*.npy"))[1]
+    npy.write_bytes(npy.read_bytes()[:-2])
+    with pytest.raises(OlmoflowError, match="tokens but its index ends"):
+        check_tokens(tmp_path / "tokens")
+
+
+def test_uint16_refuses_a_large_vocabulary():
+    from olmoflow.data.tokenize_shards import resolve_dtype
+
+    assert resolve_dtype("auto", 100_278).name == "uint32"
+    assert resolve_dtype("auto", 50_000).name == "uint16"
+    with pytest.raises(OlmoflowError, match="uint16"):
+        resolve_dtype("uint16", 100_278)
+    with pytest.raises(OlmoflowError, match="did you mean 'uint32'"):
+        resolve_dtype("uint23", 100)
+
+
+def test_config_errors_name_the_closest_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("output: x\nsources:\n  - {name: a, paths: [a.jsonl]}\ntokenise: {}\n")
+    with pytest.raises(OlmoflowError, match="unknown config key 'tokenise'; did you mean "
+                                            "'tokenize"):
+        load_data_config(cfg)
+    cfg.write_text("sources:\n  - {name: a, path: [a.jsonl]}\n")
+    with pytest.raises(OlmoflowError,
+                       match=r"'sources\[0\]\.path'; did you mean 'sources\[0\]\.paths'"):
+        load_data_config(cfg)
+    cfg.write_text("executor: rey\n")
+    with pytest.raises(OlmoflowError, match="did you mean 'ray'"):
+        load_data_config(cfg)
+    cfg.write_text("tokenize: {dtype: auto, vocab_size: 512}\n")
+    assert load_data_config(cfg, ["tokenize.vocab_size=600", "executor=serial"]).tokenize \
+        .vocab_size == 600
+    cfg.write_text("sources: [\n")
+    with pytest.raises(OlmoflowError, match=r"c.yaml:\d+: invalid YAML"):
+        load_data_config(cfg)

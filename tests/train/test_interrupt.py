@@ -1,0 +1,119 @@
+"""Ctrl-C and resume through the command line: ``olmoflow pretrain`` is interrupted with SIGINT
+mid-run, then ``olmoflow pretrain CONFIG resume_from=latest`` in a new process finishes it, and
+every logged loss, the final loss and the final weights equal an uninterrupted run's exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from olmoflow.cli import main
+from olmoflow.config import load_config
+from olmoflow.export import load_step_model
+from olmoflow.pipeline import run_pipeline
+from olmoflow.tokenizer import Tokenizer
+from olmoflow.train.checkpoint import parse_checkpoint_name, resolve_checkpoint
+
+STEPS = 100
+# The tiny preset on the stdlib corpus, shrunk so a step takes milliseconds; one thread so the
+# three processes reduce in the same order.
+TRAIN = [f"train.max_steps={STEPS}", "train.log_interval=1", "train.save_interval=0",
+         "train.num_threads=1", "train.sequence_length=32", "train.global_batch_size=4",
+         "train.micro_batch_size=4", "train.keep_last=1"]
+
+
+def pretrain_args(run: Path, *extra: str) -> list[str]:
+    return ["pretrain", "tiny", "--run-dir", str(run), "--no-progress", *TRAIN, *extra]
+
+
+def cli(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "olmoflow", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def logged_steps(log: Path) -> list[int]:
+    if not log.is_file():
+        return []
+    return [json.loads(ln)["step"] for ln in log.read_text().splitlines() if ln.endswith("}")]
+
+
+def final_state(run: Path) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    log = run / "pretrain" / "metrics.jsonl"
+    losses = {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+    vocab = Tokenizer.from_pretrained(run / "tokenizer").vocab_size
+    model = load_step_model(resolve_checkpoint(run / "pretrain", "latest"), vocab)
+    return losses, model.state_dict()
+
+
+@pytest.mark.slow  # three processes (one in this one): ~15 s on an idle 2-core box
+def test_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config("tiny", TRAIN, {"run_dir": str(run)})
+    run_pipeline(cfg, stages=["collect", "clean", "train-tokenizer", "tokenize"], progress=False)
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(pretrain_args(run)) == 0  # the uninterrupted reference
+    finally:
+        torch.set_num_threads(threads)
+    straight_losses, straight_weights = final_state(run)
+    assert sorted(straight_losses) == list(range(1, STEPS + 1))
+    shutil.rmtree(run / "pretrain")
+
+    # Ctrl-C once a few steps are logged: the trainer stops at the step boundary and saves.
+    proc = cli(*pretrain_args(run))
+    try:
+        log, deadline = run / "pretrain" / "metrics.jsonl", time.time() + 120
+        while len(logged_steps(log)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the run logged no steps"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted at step" in out and "olmoflow: interrupted" in err
+    stopped = parse_checkpoint_name(resolve_checkpoint(run / "pretrain", "latest").name)
+    assert 3 <= stopped < STEPS, "the interrupt must fall mid-run"
+    assert max(logged_steps(log)) == stopped
+    assert not (run / "pretrain" / "manifest.json").exists()
+
+    # Resume in a new process with the form OLMo's docs use.
+    proc = cli(*pretrain_args(run, "resume_from=latest"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "[pretrain] resumed" in out
+    losses, weights = final_state(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] == straight_losses[STEPS]
+    assert losses == straight_losses
+    assert weights.keys() == straight_weights.keys()
+    for k in weights:
+        assert torch.equal(weights[k], straight_weights[k]), f"final weight {k} differs"
+    # keep_last=1: only the final checkpoint is left; the index remembers the interrupted one.
+    names = [p.name for p in (run / "pretrain").iterdir() if parse_checkpoint_name(p.name)]
+    assert [parse_checkpoint_name(n) for n in names] == [STEPS]
+    index = (run / "pretrain" / "checkpoints.csv").read_text().splitlines()
+    assert [ln.split(",")[0] for ln in index[1:]] == [str(stopped), str(STEPS)]
+    assert index[1].endswith(",pruned") and index[2].endswith(",kept")
+
+    # resume_from with more steps continues the finished run (the config changed: not a restart).
+    try:
+        assert main(pretrain_args(run, f"train.max_steps={STEPS + 5}", "resume_from=latest")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    longer, _ = final_state(run)
+    assert sorted(longer) == list(range(1, STEPS + 6))
+    assert {s: longer[s] for s in losses} == losses

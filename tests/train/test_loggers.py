@@ -1,0 +1,123 @@
+"""Training-log writers: TensorBoard event files and an offline Weights & Biases run hold the same
+numbers as metrics.jsonl, at the same steps; writer names are checked with a hint."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from olmoflow.config import TrainConfig, load_config
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.errors import OlmoflowError
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.olmo import Olmo
+from olmoflow.train.loggers import read_log, scalars
+from olmoflow.train.trainer import METRICS, Trainer
+
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(autouse=True)
+def hermetic(tmp_path, monkeypatch):
+    """One thread; W&B's settings, cache and data under the test's directory, never the network."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(folder, loggers: list[str], steps: int = 4) -> list[dict]:
+    rng = np.random.default_rng(0)
+    data = InstanceDataset([rng.integers(0, VOCAB, 20 * SEQ).astype(np.uint16)], SEQ)
+    cfg = TrainConfig(sequence_length=SEQ, global_batch_size=2, micro_batch_size=2, max_steps=steps,
+                      lr=1e-2, warmup_steps=1, save_interval=0, log_interval=1, num_threads=1,
+                      detailed_log_interval=2, loggers=loggers)
+    torch.manual_seed(0)
+    model = Olmo(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                             max_sequence_length=64, sliding_window=None))
+    Trainer(model, cfg, DataLoader(data, 2, seed=0), folder, config_yaml="train:\n  lr: 0.01\n",
+            progress=False).fit()
+    return read_log(folder / METRICS)
+
+
+def test_tensorboard_events_hold_the_log(tmp_path):
+    pytest.importorskip("tensorboard", reason="the loggers extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = train(tmp_path, ["tensorboard"])
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    detailed = log[1]
+    assert set(scalars(detailed)) <= tags  # every number of a detailed line, including per-head
+    for key in ("loss", "lr", "grad_norm/layer.1", "attn_entropy/layer.0.head.1", "perf/mfu"):
+        want = [(r["step"], r[key]) for r in log if key in r]
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-6)
+
+
+def wandb_records(run_file):
+    """Decode a W&B transaction log (``run-*.wandb``): a LevelDB-style log of 32 KiB blocks whose
+    records (crc32 u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last) hold protobuf
+    ``Record`` messages, after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, buf, out = run_file.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer too small for a header: skip to the next block
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def test_wandb_offline_run_holds_the_log(tmp_path):
+    pytest.importorskip("wandb", reason="the loggers extra is not installed")
+    log = train(tmp_path, ["wandb"])
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    (run_file,) = runs[0].glob("run-*.wandb")
+    records = wandb_records(run_file)
+    history = {}
+    config = {}
+    for rec in records:
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            # keys holding "/" are stored split into nested_key
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                     for i in rec.history.item}
+            history[rec.history.step.num] = items
+        elif kind == "run":
+            config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+    assert sorted(history) == [r["step"] for r in log]
+    for r in log:
+        got = history[r["step"]]
+        for k, v in scalars(r).items():
+            assert got[k] == pytest.approx(v, rel=1e-9), (r["step"], k)
+    assert len(scalars(log[1])) > 50  # the detailed lines went through too
+    assert config["train"] == {"lr": 0.01}  # the resolved config travels with the run
+
+
+def test_unknown_writer_is_named_with_a_hint():
+    with pytest.raises(OlmoflowError, match="did you mean 'tensorboard'"):
+        load_config("demo", ["train.loggers=[tensorbaord]"])
+    assert load_config("demo", ["train.loggers=wandb"]).train.loggers == ["wandb"]

@@ -1,0 +1,204 @@
+"""The detailed training log: it is wide (>= 200 numbers for a 4-layer model), it agrees with
+quantities computed independently (global grad norm, SGD's update size, the attention the model
+really used, known distributions), and turning it on does not change training by one bit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from olmoflow.config import TrainConfig
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.errors import OlmoflowError
+from olmoflow.model.attention import AttentionMask
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.layers import apply_rotary
+from olmoflow.model.olmo import Olmo
+from olmoflow.train.metrics import (
+    TrainingMetrics,
+    attention_probs,
+    head_stats,
+    train_flops_per_token,
+)
+from olmoflow.train.trainer import METRICS, Trainer
+
+VOCAB, SEQ, LAYERS, HEADS = 64, 16, 4, 4
+BASIC = ("loss", "ce_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "data_wait_s")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def model_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, d_model=32, n_layers=LAYERS, n_heads=HEADS, mlp_hidden=64,
+                max_sequence_length=64, sliding_window=8)
+    return ModelConfig(**{**base, **kw})
+
+
+def run_trainer(folder, detailed: int, steps: int = 4, dropout: float = 0.0, **cfg_kw) -> Trainer:
+    rng = np.random.default_rng(0)
+    data = InstanceDataset([rng.integers(0, VOCAB, 40 * SEQ).astype(np.uint16)], SEQ)
+    cfg = TrainConfig(**{**dict(sequence_length=SEQ, global_batch_size=4, micro_batch_size=2,
+                                max_steps=steps, lr=1e-2, warmup_steps=1, save_interval=0,
+                                log_interval=1, num_threads=1, detailed_log_interval=detailed),
+                         **cfg_kw})
+    torch.manual_seed(0)
+    model = Olmo(model_config(dropout=dropout))
+    trainer = Trainer(model, cfg, DataLoader(data, cfg.global_batch_size, seed=3), folder,
+                      progress=False)
+    trainer.fit()
+    return trainer
+
+
+def read(folder) -> list[dict]:
+    return [json.loads(ln) for ln in (folder / METRICS).read_text().splitlines()]
+
+
+def test_detailed_log_is_wide_complete_and_finite(tmp_path):
+    run_trainer(tmp_path, detailed=2)
+    lines = read(tmp_path)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    for r in lines:  # every step: the basics
+        assert all(math.isfinite(r[k]) for k in BASIC), r
+    plain, detailed = lines[0], lines[1]
+    assert "perf/mfu" not in plain and "perf/mfu" in lines[3]
+    numeric = {k for k, v in detailed.items() if isinstance(v, int | float)}
+    assert len(numeric) >= 200, len(numeric)
+    assert all(math.isfinite(detailed[k]) for k in numeric)
+    for i in range(LAYERS):
+        for kind in ("grad_norm", "param_norm", "update_ratio", "act_rms", "attn_uniform_frac"):
+            assert f"{kind}/layer.{i}" in detailed
+        for h in range(HEADS):
+            for kind in ("attn_entropy", "attn_entropy_norm", "attn_max_prob"):
+                assert f"{kind}/layer.{i}.head.{h}" in detailed
+    for k in ("perf/tokens_per_s", "perf/mfu", "perf/peak_flops", "perf/collector_s",
+              "sys/rss_gb", "sys/peak_rss_gb", "sys/cpu_percent", "data_wait_s"):
+        assert k in detailed, k
+    assert 0 < detailed["perf/mfu"] < 1
+    assert detailed["perf/mfu"] == pytest.approx(
+        detailed["perf/tokens_per_s"] * detailed["perf/flops_per_token"] / detailed["perf/peak_flops"])
+    assert detailed["sys/peak_rss_gb"] >= detailed["sys/rss_gb"] > 0.01
+
+
+def test_detailed_log_does_not_change_training(tmp_path):
+    """The probe runs without dropout and without drawing from torch's RNG: with dropout on,
+    losses and final weights are bit-identical with the detailed log every step and without it."""
+    on = run_trainer(tmp_path / "on", detailed=1, dropout=0.1)
+    off = run_trainer(tmp_path / "off", detailed=0, dropout=0.1)
+    assert [r["loss"] for r in read(tmp_path / "on")] == [r["loss"] for r in read(tmp_path / "off")]
+    for (name, a), (_, b) in zip(on.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert off.metrics is None  # off means the trainer holds no collector at all
+
+
+def test_per_tensor_grad_norms_add_up_to_the_global_norm(tmp_path):
+    """The per-tensor norms are taken before clipping: their root-sum-square is the global norm
+    that clip_grad_norm_ reports, and each layer's norm is the root-sum-square of its tensors."""
+    run_trainer(tmp_path, detailed=1, steps=2, grad_clip=1e-3)  # clipping active on every step
+    for r in read(tmp_path):
+        tensors = {k: v for k, v in r.items() if k.startswith("grad_norm/") and "layer." not in k}
+        assert len(tensors) == 11 * LAYERS + 3
+        assert math.sqrt(sum(v * v for v in tensors.values())) == pytest.approx(r["grad_norm"], rel=1e-5)
+        for i in range(LAYERS):
+            mine = [v for k, v in tensors.items() if k.startswith(f"grad_norm/blocks.{i}.")]
+            assert math.sqrt(sum(v * v for v in mine)) == pytest.approx(r[f"grad_norm/layer.{i}"], rel=1e-6)
+
+
+def test_update_ratio_is_lr_times_grad_over_weight_for_sgd():
+    """With plain SGD, ``w' = w - lr g``, so ``||dw|| / ||w|| = lr ||g|| / ||w||`` exactly."""
+    torch.manual_seed(0)
+    model = Olmo(model_config())
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    tm = TrainingMetrics(model, interval=3, peak_flops=1e12)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    assert not tm.due(2) and tm.due(3)
+    tm.start_step(2, ids)
+    assert tm.end_step(ids.numel()) == {}  # not a detailed step: nothing measured
+    tm.start_step(3, ids)
+    model(ids, ids).loss.backward()
+    tm.after_backward()
+    opt.step()
+    out = tm.end_step(ids.numel())
+    for name, _ in model.named_parameters():
+        expected = lr * out[f"grad_norm/{name}"] / out[f"param_norm/{name}"]
+        # abs: the fp32 rounding of w - lr g, about 1e-7 of ||w|| (norm weights are 1, g small)
+        assert out[f"update_ratio/{name}"] == pytest.approx(expected, rel=1e-4, abs=1e-7), name
+    assert out["perf/peak_flops"] == 1e12
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_recomputed_attention_is_the_attention_the_model_used(packed):
+    """The probe's probabilities, times the values and the output projection, give back the
+    attention module's output (GQA, sliding window, and intra-document masks)."""
+    torch.manual_seed(0)
+    model = Olmo(model_config(n_kv_heads=2, sliding_window=4)).eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    doc_ids = (torch.arange(SEQ) >= 5).long().expand(2, SEQ) if packed else None
+    checked = []
+
+    def hook(m, args, kwargs, out):
+        x, cos, sin = args[:3]
+        B, T, _ = x.shape
+        q = m.q_norm(m.w_q(x)).view(B, T, m.n_heads, m.head_dim).transpose(1, 2)
+        k = m.k_norm(m.w_k(x)).view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)
+        v = m.w_v(x).view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask = kwargs["mask"] or AttentionMask.causal(T, T, x.device, m.window)
+        probs, allowed = attention_probs(q, k, mask)
+        assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+        y = probs @ v.repeat_interleave(m.n_heads // m.n_kv_heads, dim=1)
+        torch.testing.assert_close(m.w_out(y.transpose(1, 2).reshape(B, T, -1)), out,
+                                   atol=1e-5, rtol=1e-4)
+        if packed:  # no query attends across the document boundary
+            assert probs[..., 5:, :5].abs().max() == 0
+        checked.append(m)
+
+    hooks = [b.attention.register_forward_hook(hook, with_kwargs=True) for b in model.blocks]
+    with torch.no_grad():
+        model(ids, doc_ids=doc_ids)
+    for h in hooks:
+        h.remove()
+    assert len(checked) == LAYERS
+
+
+def test_head_stats_on_known_distributions():
+    T = 6
+    allowed = torch.ones(T, T).tril().bool()[None, None]  # causal: query t sees t + 1 keys
+    uniform = allowed.float() / allowed.sum(-1, keepdim=True)
+    sharp = torch.eye(T)[None, None]  # each query attends to itself only
+    probs = torch.cat([uniform, sharp], dim=1)  # head 0 uniform, head 1 one-hot
+    s = head_stats(probs, allowed)
+    visible = torch.arange(1, T + 1).double()
+    assert s["entropy"][0] == pytest.approx(float(visible.log().mean()), rel=1e-5)
+    assert s["entropy"][1] == pytest.approx(0.0, abs=1e-7)
+    assert s["entropy_norm"] == pytest.approx([1.0, 0.0], abs=1e-5)
+    assert s["max_prob"][0] == pytest.approx(float((1 / visible).mean()), rel=1e-5)
+    assert s["max_prob"][1] == pytest.approx(1.0)
+    assert s["uniform_frac"] == 0.5
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention():
+    cfg = model_config(sliding_window=8)
+    d, L, V, ff = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.mlp_hidden
+    matmul_params = L * (4 * d * d + 3 * d * ff) + V * d  # projections, MLP, LM head
+    norms = L * (2 * d + 2 * d) + d  # q/k-norm, two block norms, final norm
+    ctx = [8 if cfg.window(i) else SEQ for i in range(L)]  # windowed layers see 8 keys at most
+    expected = 6 * (matmul_params + norms) + sum(12 * cfg.n_heads * cfg.hd * c for c in ctx)
+    assert train_flops_per_token(cfg, SEQ) == expected
+
+
+def test_detailed_log_interval_is_validated():
+    with pytest.raises(OlmoflowError, match="detailed_log_interval"):
+        TrainConfig(detailed_log_interval=-1)
+    with pytest.raises(ValueError):
+        TrainingMetrics(Olmo(model_config()), interval=0)
