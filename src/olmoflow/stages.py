@@ -148,6 +148,7 @@ def load_trained_model(cfg: RunConfig):
 
 def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.data.loader import DataLoader, build_dataset, index_path
+    from olmoflow.train.distributed import build_on_rank
     from olmoflow.train.trainer import METRICS, Trainer
 
     out = stage_dir(cfg, "pretrain")
@@ -160,7 +161,9 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
                         intra_document_masking=t.intra_document_masking)
     if t.packing != "concat" or t.intra_document_masking:  # the document indexes are read too
         paths = paths + [index_path(p) for p in paths]
-    model = build_model(cfg, tok.vocab_size)
+    # Under torchrun + FSDP a model too big for every process is built on the meta device and
+    # only this rank's shards are allocated; one process trains on the GPU when there is one.
+    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size), t.data_parallel)
     trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
     summary = trainer.fit()
     final = Path(summary["checkpoint"])

@@ -125,3 +125,72 @@ def test_config_errors_name_the_closest_key(tmp_path):
     cfg.write_text("sources: [\n")
     with pytest.raises(OlmoflowError, match=r"c.yaml:\d+: invalid YAML"):
         load_data_config(cfg)
+
+
+def small_run(tmp: Path) -> Path:
+    """A config over two JSONL files of short English-like documents (some repeated)."""
+    rng = np.random.default_rng(1)
+    for name in ("a", "b"):
+        lines = []
+        for i in range(12):
+            words = rng.choice(WORDS[:20], size=60)
+            lines.append({"text": " ".join(words) + ".", "n": i})
+        lines += lines[:3] if name == "b" else []
+        (tmp / "in").mkdir(exist_ok=True)
+        (tmp / "in" / f"{name}.jsonl").write_text("".join(
+            __import__("json").dumps(x) + "\n" for x in lines))
+    cfg = tmp / "data.yaml"
+    cfg.write_text(f"""
+output: {tmp / "run"}
+executor: serial
+steps: [ingest, tag, dedup, mix, tokenize]
+sources: [{{name: web, paths: ["{tmp / "in"}/*.jsonl"]}}]
+taggers: [pii]
+dedup: {{exact: true}}
+tokenize: {{vocab_size: 300, min_frequency: 1}}
+""")
+    return cfg
+
+
+def test_run_skips_done_steps_and_redoes_only_what_changed(tmp_path, capsys):
+    from olmoflow.cli import main
+
+    cfg = small_run(tmp_path)
+    run = tmp_path / "run"
+    assert main(["data", "run", str(cfg), "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[1:6]] == ["ingest", "tag", "dedup", "mix", "tokenize"]
+    assert "removed 3 (1 rules)" in lines[4]  # the three copies in b.jsonl
+    before = digests(run / "tokens")
+    assert check_tokens(run / "tokens", expected_documents=24)["documents"] == 24
+
+    assert main(["data", "run", str(cfg), "--no-progress"]) == 0
+    assert sum("skipped (done)" in ln for ln in capsys.readouterr().out.splitlines()) == 5
+
+    # A lost attribute shard: the tag step reruns that shard only; what follows is unchanged.
+    markers = sorted((run / ".done" / "tag").glob("*.done.json"))
+    stamps = {m: m.stat().st_mtime_ns for m in markers}
+    lost = sorted((run / "attributes" / "tags").rglob("*.jsonl.gz"))[1]
+    lost.unlink()
+    assert main(["data", "tag", str(run), "--no-progress"]) == 0  # the run dir's config.yaml
+    out = capsys.readouterr().out
+    assert "tag" in out and "skipped" not in out and lost.is_file()
+    assert sum(m.stat().st_mtime_ns != stamps[m] for m in markers) == 1
+    assert main(["data", "run", str(cfg), "--no-progress"]) == 0
+    assert sum("skipped (done)" in ln for ln in capsys.readouterr().out.splitlines()) == 5
+
+    # A new mixer rule: only mix and tokenize run again.
+    assert main(["data", "run", str(cfg), "--no-progress",
+                 "mixer.exclude=['pii__count > 100']"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [("skipped" in ln) for ln in out[1:6]] == [True, True, True, False, False]
+    assert digests(run / "tokens") == before  # the rule drops nothing
+
+
+def test_bad_config_is_a_one_line_error(tmp_path, capsys):
+    from olmoflow.cli import main
+
+    cfg = small_run(tmp_path)
+    assert main(["data", "run", str(cfg), "executr=ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "olmoflow: error: unknown config key 'executr'; did you mean 'executor'?"

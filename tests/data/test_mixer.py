@@ -194,6 +194,16 @@ def test_unknown_names_are_one_line_errors_with_the_closest(tmp_path):
         parse_rule("a >", "mix.include[0]")
 
 
+def test_an_attribute_written_only_where_it_fires_is_found(tmp_path):
+    rows = [(doc(i, f"text {i}"), {"t__x": []} if i < 5 else {"t__x": [], "pii__rare": [[0, 4, 1]]})
+            for i in range(6)]
+    make_run(tmp_path, {"web/0000": rows})
+    stats = mix(tmp_path, {"attributes": ["tags"], "replace": {"pii__rare": "|||R|||"}},
+                executor="serial")
+    assert [d["text"] for d in out_docs(tmp_path)][-1] == "|||R||| 5"
+    assert stats["edited"] == {"replace: pii__rare": {"documents": 1, "spans": 1}}
+
+
 def test_misaligned_attributes_are_an_error(tmp_path):
     rows = corpus(4)["web/0000"]
     make_run(tmp_path, {"web/0000": rows})

@@ -414,11 +414,18 @@ def near_duplicates(sigs: np.ndarray, ok: np.ndarray, mh: MinHashConfig) -> np.n
 
     Returns:
         (n,) bool: True where an earlier kept document has estimated Jaccard >= threshold.
+
+    Raises:
+        OlmoflowError: datasketch cannot band ``num_perm`` for ``threshold`` (fewer than 2 bands).
     """
     from datasketch import LeanMinHash, MinHashLSH
 
     params = (mh.bands, mh.rows) if mh.bands else None
-    lsh = MinHashLSH(threshold=mh.threshold, num_perm=mh.num_perm, params=params)
+    try:
+        lsh = MinHashLSH(threshold=mh.threshold, num_perm=mh.num_perm, params=params)
+    except ValueError as e:  # e.g. fewer than 2 bands for this threshold and num_perm
+        raise OlmoflowError(f"dedup.minhash: {e}; change threshold, num_perm or bands/rows") \
+            from None
     dup = np.zeros(len(sigs), dtype=bool)
     for g in np.flatnonzero(ok):
         sig = sigs[g]
@@ -487,7 +494,7 @@ def dedup_write_shard(task: dict[str, Any]) -> dict[str, Any]:
     stats = {"documents_in": 0, "bytes_in": 0}
 
     def rows():
-        for i, (_, doc) in enumerate(read_records(task["documents"])):
+        for i, (_, doc) in enumerate(read_records(task["documents"], quiet=True)):
             if not maps["valid"][i]:
                 yield {"id": doc.get("id") if doc else None, "attributes": {}}
                 continue

@@ -19,10 +19,8 @@ as in Dolma's ``mixer``), and for each document, in this order:
 
 A rule is ``{attribute, op, value[, aggregate][, name]}`` or the same as one string,
 ``"[aggregate(]attribute[)] op value"``, e.g. ``"gopher__word_count < 50"`` or
-``"sum(pii__email) > 0"``. The aggregate turns the attribute's spans ``[[start, end, score]]`` into
-one number: ``max`` (the default; for a document-level attribute, its score), ``min``, ``sum``,
-``count`` (number of spans), ``any`` (1 if a span has a non-zero score) or ``frac`` (fraction of the
-text's characters covered by spans). An attribute with no spans aggregates to 0.
+``"sum(pii__email) > 0"`` (see :mod:`olmoflow.data.rules`). The source of a document, for weights
+and per-source stats, is its shard's directory under ``DIR/documents``.
 
 Every dropped document is explained: the stats count documents and bytes per rule and per source,
 and ``DIR/attributes/mixer/<source>/<shard>.jsonl.gz`` (when ``write_dropped``) holds, line-aligned
@@ -36,9 +34,7 @@ import dataclasses
 import gzip
 import hashlib
 import math
-import operator
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +50,6 @@ from olmoflow.data.shards import (
     MAX_ERRORS_LISTED,
     MIXED_DIR,
     attribute_path,
-    doc_level,
     document_shards,
     input_signature,
     read_records,
@@ -63,106 +58,8 @@ from olmoflow.data.shards import (
     text_bytes,
     write_jsonl_gz,
 )
+from olmoflow.data.rules import Rule, parse_rule
 from olmoflow.errors import OlmoflowError, closest, unknown_name_error
-
-# ---------------------------------------------------------------------------------------------
-# Rules
-
-_OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
-        ">": operator.gt, ">=": operator.ge}
-AGGREGATES = ("max", "min", "sum", "count", "any", "frac")
-_RULE_KEYS = ("attribute", "op", "value", "aggregate", "name")
-_RULE_RE = re.compile(
-    r"^\s*(?:(?P<agg>\w+)\(\s*(?P<attr1>[\w.\-]+)\s*\)|(?P<attr2>[\w.\-]+))\s*"
-    r"(?P<op>==|!=|<=|>=|<|>)\s*(?P<value>\S+)\s*$"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """A test on one attribute: ``aggregate(spans of attribute) op value``.
-
-    ``name`` labels the rule in stats (default: its canonical text, e.g.
-    ``"gopher__word_count < 50"``).
-    """
-
-    attribute: str
-    op: str
-    value: float
-    aggregate: str = "max"
-    name: str | None = None
-
-    @property
-    def label(self) -> str:
-        if self.name:
-            return self.name
-        attr = self.attribute if self.aggregate == "max" else f"{self.aggregate}({self.attribute})"
-        value = int(self.value) if float(self.value).is_integer() else self.value
-        return f"{attr} {self.op} {value}"
-
-    def score(self, spans: list, text_len: int) -> float:
-        """The aggregate of ``spans`` (``[[start, end, score], ...]``); 0 when there are none."""
-        if not spans:
-            return 0.0
-        agg = self.aggregate
-        if agg == "count":
-            return float(len(spans))
-        if agg == "frac":
-            covered = sum(max(0, min(e, text_len) - max(s, 0)) for s, e, *_ in spans)
-            return covered / text_len if text_len else 0.0
-        scores = [float(sp[2]) for sp in spans]
-        if agg == "max":
-            return max(scores)
-        if agg == "min":
-            return min(scores)
-        if agg == "sum":
-            return math.fsum(scores)
-        return 1.0 if any(scores) else 0.0  # "any"
-
-    def holds(self, attributes: dict[str, list], text_len: int) -> bool:
-        """Whether the rule is true for a document with these merged attributes."""
-        return _OPS[self.op](self.score(attributes.get(self.attribute) or [], text_len),
-                             self.value)
-
-
-def parse_rule(obj: Any, where: str) -> Rule:
-    """A :class:`Rule` from its config form (a mapping or a string); ``where`` names it in errors.
-
-    Raises:
-        OlmoflowError: unknown key, op or aggregate (with the closest valid one), or a bad value.
-    """
-    if isinstance(obj, str):
-        m = _RULE_RE.match(obj)
-        if not m:
-            raise OlmoflowError(f"{where}: cannot parse rule '{obj}'; write it as "
-                                "'[aggregate(]attribute[)] op value', e.g. 'gopher__word_count < 50'")
-        obj = {"attribute": m["attr1"] or m["attr2"], "op": m["op"], "value": m["value"],
-               **({"aggregate": m["agg"]} if m["agg"] else {})}
-    if isinstance(obj, Rule):
-        return obj
-    if not isinstance(obj, dict):
-        raise OlmoflowError(f"{where}: a rule must be a mapping or a string, got {obj!r}")
-    for key in obj:
-        if key not in _RULE_KEYS:
-            raise OlmoflowError(f"{where}: {unknown_name_error('rule key', str(key), _RULE_KEYS)}")
-    for key in ("attribute", "op", "value"):
-        if key not in obj:
-            raise OlmoflowError(f"{where}: rule needs '{key}' (keys: attribute, op, value, "
-                                "[aggregate], [name])")
-    op, agg = str(obj["op"]), str(obj.get("aggregate", "max"))
-    if op not in _OPS:
-        raise OlmoflowError(f"{where}: {unknown_name_error('op', op, _OPS)}")
-    if agg not in AGGREGATES:
-        raise OlmoflowError(f"{where}: {unknown_name_error('aggregate', agg, AGGREGATES)}")
-    value = obj["value"]
-    if isinstance(value, str):
-        value = {"true": 1, "false": 0}.get(value.lower(), value)
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise OlmoflowError(f"{where}: rule value must be a number, got {obj['value']!r}") from None
-    return Rule(str(obj["attribute"]), op, value, agg, obj.get("name"))
-
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -436,7 +333,7 @@ def mix_shard(task: dict[str, Any]) -> dict[str, Any]:
                 dropped_rows.append({"id": None, "attributes": {}, "dropped_by": "bad line"})
                 continue
             text = doc["text"]
-            nbytes = text_bytes(text)
+            n_chars, nbytes = len(text), text_bytes(text)
             stats["documents_in"] += 1
             stats["bytes_in"] += nbytes
             why = None
@@ -494,8 +391,8 @@ def mix_shard(task: dict[str, Any]) -> dict[str, Any]:
             else:
                 stats["documents_kept"] += 1
                 stats["copies_added"] += written - 1
-            row: dict[str, Any] = {"id": doc["id"],
-                                   "attributes": {"mixer__copies": doc_level(text, written)}}
+            row: dict[str, Any] = {"id": doc["id"], "attributes": {
+                "mixer__copies": [[0, n_chars, written]]}}
             if why is not None:
                 row["dropped_by"] = why
             dropped_rows.append(row)
@@ -519,9 +416,10 @@ def mix_shard(task: dict[str, Any]) -> dict[str, Any]:
 # Driver
 
 
-def attribute_names(data_dir: str | os.PathLike, attribute_set: str, shards: list[str]
-                    ) -> set[str]:
-    """The attribute names a set holds: the keys of the first non-empty line of each shard's file.
+def attribute_names(data_dir: str | os.PathLike, attribute_set: str, shards: list[str],
+                    full: bool = False) -> set[str]:
+    """The attribute names a set holds: the keys of the first non-empty line of each shard's file,
+    or (``full``) of every line, for taggers that write an attribute only where it has spans.
 
     Raises:
         OlmoflowError: the set or one of its shard files is missing.
@@ -543,15 +441,22 @@ def attribute_names(data_dir: str | os.PathLike, attribute_set: str, shards: lis
         for _, row in read_records(path, strict=True):
             if row and row.get("attributes"):
                 names.update(row["attributes"])
-                break
+                if not full:
+                    break
     return names
 
 
-def _check_names(cfg: MixConfig, names: set[str]) -> None:
+def _check_names(cfg: MixConfig, data_dir: Path, shards: list[str]) -> None:
     used = [(f"mix.include[{i}]", r.attribute) for i, r in enumerate(cfg.include)]
     used += [(f"mix.exclude[{i}]", r.attribute) for i, r in enumerate(cfg.exclude)]
     used += [("mix.replace", a) for a in cfg.replace]
     used += [("mix.remove_spans", a) for a in cfg.remove_spans]
+    names: set[str] = set()
+    for aset in cfg.attributes:
+        names |= attribute_names(data_dir, aset, shards)
+    if any(attr not in names for _, attr in used):  # rare attributes: look at every line
+        for aset in cfg.attributes:
+            names |= attribute_names(data_dir, aset, shards, full=True)
     for where, attr in used:
         if attr not in names:
             hint = closest(attr, names)
@@ -611,10 +516,7 @@ def mix(
     for src in cfg.weights:
         if src not in sources:
             raise OlmoflowError(f"mix.weights: {unknown_name_error('source', src, sources).args[0]}")
-    names: set[str] = set()
-    for aset in cfg.attributes:
-        names |= attribute_names(data_dir, aset, shards)
-    _check_names(cfg, names)
+    _check_names(cfg, data_dir, shards)
     out_dir = data_dir / MIXED_DIR
     tasks = [{
         "step": "mix",

@@ -21,8 +21,14 @@ Line, row and record numbers start at 1.
 Bad input never stops a run and is never silently lost: every damaged file, undecodable or
 malformed record, over-large document or empty file is counted by kind in a :class:`ReadLog`
 with ``file:line`` examples and logged; with ``strict`` the first one raises
-:class:`~olmoflow.errors.OlmoflowError` naming the file and line. WARC text is extracted from
-HTML with Resiliparse (main content, as in DCLM), or trafilatura on request.
+:class:`~olmoflow.errors.OlmoflowError` naming the file and line. The kinds: ``damaged_file``
+(truncated or corrupt gzip, zstd, Parquet or WARC: the documents before the damage are kept),
+``empty_file``, ``invalid_utf8``, ``not_json``, ``not_object``, ``missing_text``,
+``text_not_string``, ``too_large`` (over ``max_document_bytes``) and, from ingest,
+``unsupported_file``. WARC records that are not documents (non-2xx, not text, no text left after
+extraction) are counted as removed (``http_status``, ``not_text``, ``no_text``) but are not errors.
+WARC text is extracted from HTML with Resiliparse (main content, as in DCLM), or trafilatura on
+request (:mod:`olmoflow.data.warc`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from olmoflow.data.engine import STEP_DIRS, STEPS
 from olmoflow.errors import OlmoflowError
 
 REPORT_DIR = "reports"
+#: Steps that write documents or tokens (shown per source; the others only write attributes).
+DOCUMENT_STEPS = ("ingest", "mix", "tokenize")
 #: Attribute-name prefixes of the scores drawn: D2's fastText quality tagger and language id.
 QUALITY_PREFIX = "quality__"
 LANGUAGE_PREFIX = "langid__"
@@ -115,8 +117,26 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
     if rule_rows:
         out += ["", "Removed per rule",
                 _table(["step", "rule", "documents", "bytes", "% of in"], rule_rows)]
+    flag_rows = []
+    for step, m in manifests.items():
+        c = m["counts"]
+        n_in = c.get("documents_in") or 0
+        for attr, r in (c.get("flagged") or {}).items():
+            flag_rows.append([step, attr, r.get("documents", 0), r.get("bytes", 0),
+                              r.get("documents", 0) / n_in if n_in else None])
+    if flag_rows:
+        out += ["", "Flagged per attribute (the mixer's rules decide what is removed)",
+                _table(["step", "attribute", "documents", "bytes", "% of in"], flag_rows)]
+    edit_rows = [[step, label, r.get("documents", 0), r.get("spans", 0)]
+                 for step, m in manifests.items()
+                 for label, r in (m["counts"].get("edited") or {}).items()]
+    if edit_rows:
+        out += ["", "Spans edited in kept documents",
+                _table(["step", "edit", "documents", "spans"], edit_rows)]
     src_rows = []
     for step, m in manifests.items():
+        if step not in DOCUMENT_STEPS:
+            continue
         for src, sc in (m["counts"].get("sources") or {}).items():
             removed = ", ".join(f"{k} {v.get('documents', 0):,}"
                                 for k, v in (sc.get("removed") or {}).items())

@@ -83,13 +83,15 @@ def text_bytes(text: str) -> int:
 
 
 def read_records(
-    path: str | os.PathLike, *, strict: bool = False, errors: list[str] | None = None
+    path: str | os.PathLike, *, strict: bool = False, errors: list[str] | None = None,
+    quiet: bool = False,
 ) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """Yield ``(line_number, object)`` for each non-blank line of a (gzipped) JSONL file.
 
     A line that is not a JSON object yields ``(line_number, None)`` so that line-aligned files stay
-    aligned; it is logged and appended to ``errors`` as ``"path:line: reason"``. A damaged gzip
-    stream ends the file the same way.
+    aligned; it is logged (unless ``quiet``: a second pass over a file already reported) and
+    appended to ``errors`` as ``"path:line: reason"``. A damaged gzip stream ends the file the
+    same way.
 
     Raises:
         OlmoflowError: ``path`` is missing; or, with ``strict``, at the first bad line.
@@ -104,7 +106,8 @@ def read_records(
             raise OlmoflowError(msg)
         if errors is not None and len(errors) < MAX_ERRORS_LISTED:
             errors.append(msg)
-        log.warning("%s", msg)
+        if not quiet:
+            log.warning("%s", msg)
 
     try:
         f = opener(path, "rb")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -79,7 +79,9 @@ def _env_int(name: str, default: int) -> int:
 def current() -> DistInfo:
     """The :class:`DistInfo` of the initialised process group (one process if there is none)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return DistInfo()
+        # One process trains on the GPU when there is one (run_pretrain moves the model there).
+        return DistInfo(device=torch.device("cuda", 0) if torch.cuda.is_available()
+                        else torch.device("cpu"))
     backend = dist.get_backend()
     local_rank = _env_int("LOCAL_RANK", 0)
     device = (torch.device("cuda", local_rank) if backend == "nccl" and torch.cuda.is_available()
@@ -103,7 +105,7 @@ def init_from_env() -> DistInfo:
         return current()
     world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
-        return DistInfo()
+        return current()
     missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise OlmoflowError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun")
@@ -226,9 +228,12 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
         from olmoflow.errors import unknown_name_error
 
         raise unknown_name_error("train.data_parallel", data_parallel, DATA_PARALLEL)
+    if any(p.is_meta for p in model.parameters()) and data_parallel == "ddp":
+        model = _materialize(model, info)  # DDP replicates: every rank holds the whole model
     if info.world_size == 1:
         return model
-    model = model.to(info.device)
+    if not any(p.is_meta for p in model.parameters()):
+        model = model.to(info.device)
     if data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -241,7 +246,67 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if any(p.is_meta for p in model.parameters()):
+        model = _materialize(model, info)  # only this rank's shards are ever allocated
     return model
+
+
+def _materialize(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Allocate a meta-device model (or its FSDP shards) on ``info.device`` and initialise it with
+    the model's ``reset_parameters()``, seeded from ``torch.initial_seed()``.
+
+    On CUDA, DTensor's random ops draw every shard from one seeded stream (distinct values per
+    shard); on CPU they draw locally, so each rank is seeded with ``seed + rank``. The values
+    therefore differ from a model built in one process from the same seed (same distribution).
+    """
+    if not hasattr(model, "reset_parameters"):
+        raise OlmoflowError(f"{type(model).__name__} was built on the meta device but has no "
+                            "reset_parameters() to initialise it")
+    seed = torch.initial_seed()
+    model.to_empty(device=info.device)
+    if info.device.type == "cpu":
+        torch.manual_seed(seed + info.rank)
+    with torch.no_grad():
+        model.reset_parameters()
+    torch.manual_seed(seed)
+    return model
+
+
+def available_ram_bytes() -> float:
+    """Available RAM of this node (psutil)."""
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def build_on_rank(build: Callable[[], nn.Module], data_parallel: str) -> nn.Module:
+    """``build()`` the model the way this rank should hold it before :func:`parallelize`.
+
+    On the meta device when :func:`init_on_meta` says the whole model is too big for the node's
+    processes (FSDP then allocates only this rank's shards); else whole, and in one process moved
+    to the GPU when there is one.
+    """
+    info = init_from_env()
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build().parameters())
+    if init_on_meta(n_params, data_parallel, info):
+        with torch.device("meta"):
+            return build()
+    model = build()
+    return model.to(info.device) if info.world_size == 1 else model
+
+
+def init_on_meta(n_params: int, data_parallel: str, info: DistInfo) -> bool:
+    """Whether to build the model on the meta device and allocate only this rank's FSDP shards.
+
+    True under FSDP on several ranks when the node's processes could not all hold the whole fp32
+    model at once (``4 * n_params * local_world_size`` over half the available RAM): a 32B model
+    is 129 GB per process. Smaller models are built whole from the seed, so their initial weights
+    are those of a one-process run.
+    """
+    if data_parallel != "fsdp" or info.world_size == 1:
+        return False
+    return 4 * n_params * info.local_world_size > 0.5 * available_ram_bytes()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -24,7 +24,8 @@ from typing import Any
 from olmoflow.data.taggers import Spans, Tagger, register_tagger
 from olmoflow.errors import OlmoflowError
 
-_PARAGRAPH = re.compile(r"\S(?:.|\n(?![ \t\r\f\v]*\n))*", re.DOTALL)
+# A paragraph: a run of non-blank lines.
+_PARAGRAPH = re.compile(r"[^\n]*\S[^\n]*(?:\n[^\n]*\S[^\n]*)*")
 
 
 @functools.lru_cache(maxsize=1)
