@@ -7,11 +7,31 @@ Public API (mirrors the CLI)::
     tokenizer = Tokenizer.from_pretrained("runs/demo/release")
 """
 
-from olmoflow.config import RunConfig, load_config
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import Olmo
-from olmoflow.tokenizer import BaseTokenizer, BPETokenizer, Tokenizer
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = ["Olmo", "ModelConfig", "Tokenizer", "BaseTokenizer", "BPETokenizer", "RunConfig",
-           "load_config", "__version__"]
+
+# Imported on first use (PEP 562): `import olmoflow.data...` in a data-engine worker process must
+# not pay torch's ~3 s import for names it never touches.
+_LAZY = {
+    "Olmo": "olmoflow.model.olmo",
+    "ModelConfig": "olmoflow.model.config",
+    "Tokenizer": "olmoflow.tokenizer",
+    "BaseTokenizer": "olmoflow.tokenizer",
+    "BPETokenizer": "olmoflow.tokenizer",
+    "RunConfig": "olmoflow.config",
+    "load_config": "olmoflow.config",
+}
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'olmoflow' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

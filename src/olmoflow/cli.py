@@ -199,7 +199,10 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
     force = args.force or (args.verb == "generate" and bool(getattr(args, "prompt", None)))
     run_pipeline(cfg, stages=stages, progress=not args.no_progress, force=force)
     if args.verb in ("run", "generate"):
-        _print_samples(cfg)
+        from olmoflow.train.distributed import is_main
+
+        if is_main():  # under torchrun only rank 0 prints
+            _print_samples(cfg)
 
 
 def _print_samples(cfg) -> None:

@@ -84,7 +84,8 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     started, t0 = now(), time.time()
     # Pretraining runs on every rank; rank 0 runs any other stage while the others wait.
     runs_here = info.is_main or name == "pretrain"
-    error, result = None, None
+    error: OlmoflowError | None = None
+    result: StageResult | None = None
     try:
         result = RUNNERS[name](cfg, progress) if runs_here else None
     except OlmoflowError as e:

@@ -65,7 +65,8 @@ def builtin_run(tmp_path_factory):
     for i, (name, quote) in enumerate(quotes.items()):
         # Different case and punctuation around the quote: matching is on normalized words.
         docs.append({"id": f"dirty-{name}", "source": "web",
-                     "text": f"{filler(i)}. As the saying goes: \"{quote.upper()}\" -- {filler(i + 50)}"})
+                     "text": f"{filler(i)}. As the saying goes: \"{quote.upper()}\" -- "
+                             f"{filler(i + 50)}"})
     docs += [{"id": f"clean-{i}", "text": filler(100 + i, 300), "source": "web"} for i in range(5)]
     moby = (SHARED_DATA / "gutenberg/moby_dick_2701.txt").read_text(encoding="utf-8-sig")
     docs += [{"id": f"moby-{k}", "text": moby[k * 20000: k * 20000 + 20000], "source": "books"}
@@ -98,7 +99,8 @@ def test_eval_quotes_are_flagged_under_their_set_and_clean_documents_are_not(bui
         assert stats["flagged"][f"decontam__{name}"]["documents"] >= 1
         assert stats["index"][name]["items"] > 0 and stats["index"][name]["ngrams"] > 0
     assert stats["flagged"]["decontam__contaminated"]["documents"] == len(quotes)
-    assert stats["index"]["hellaswag"]["items"] == 10042 and stats["index"]["gsm8k"]["items"] == 1319
+    assert stats["index"]["hellaswag"]["items"] == 10042
+    assert stats["index"]["gsm8k"]["items"] == 1319
 
 
 def test_drop_excludes_contaminated_documents_in_the_mix(builtin_run):
@@ -130,7 +132,8 @@ def custom_eval(tmp_path: Path) -> dict:
 def test_custom_eval_files_short_texts_and_tag_mode(tmp_path):
     cfg = custom_eval(tmp_path)
     docs = [
-        {"id": "q", "source": "s", "text": "Quiz: what is the BOILING point of water at sea-level?"},
+        {"id": "q", "source": "s",
+         "text": "Quiz: what is the BOILING point of water at sea-level?"},
         {"id": "short", "source": "s", "text": "The answer is one hundred, not fifty."},
         {"id": "clean", "source": "s", "text": filler(1)},
     ]

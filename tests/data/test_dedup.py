@@ -15,16 +15,14 @@ import pytest
 from olmoflow.data.dedup import (
     DedupConfig,
     MinHashConfig,
+    MinHashSigner,
     dedup,
     mixer_rules,
-    ngram_hashes,
-    ngram_hashes_many,
     paragraphs,
-    word_hashes,
-    words,
 )
 from olmoflow.data.documents import read_documents, write_documents
 from olmoflow.data.mixer import mix
+from olmoflow.data.ngrams import ngram_hashes, ngram_hashes_many, word_hashes, words
 from olmoflow.errors import OlmoflowError
 
 VOCAB = [f"w{i}" for i in range(5000)]
@@ -135,10 +133,8 @@ def test_near_duplicates_above_threshold_go_below_stay(tmp_path):
 
 
 def test_minhash_estimate_tracks_true_jaccard():
-    from olmoflow.data.dedup import _Signer
-
     rng = random.Random(3)
-    signer = _Signer(MinHashConfig(ngram=3, num_perm=256, seed=7))
+    signer = MinHashSigner(MinHashConfig(ngram=3, num_perm=256, seed=7))
     for swap in (2, 5, 20):
         a = sentence(rng, 400)
         b = " ".join(t if i % swap else "q" + t for i, t in enumerate(a.split()))
@@ -163,6 +159,26 @@ def test_paragraph_spans_and_their_removal(tmp_path):
     out = mix(tmp_path, mixer_rules(cfg), executor="serial")
     assert [d["text"] for d in mixed_docs(tmp_path)] == [docs[0]["text"], "Second unique line.\n"]
     assert out["removed"] == {"empty after span edits": {"documents": 1, "bytes": 34}}
+
+
+def test_a_paragraph_survives_when_its_first_copy_is_in_a_dropped_document(tmp_path):
+    docs = [
+        {"id": "0", "text": "zero text", "source": "s", "metadata": {"url": "u"}},
+        {"id": "1", "text": "one text\nShared paragraph P", "source": "s",
+         "metadata": {"url": "u"}},
+        {"id": "2", "text": "two text\nShared paragraph P", "source": "s",
+         "metadata": {"url": "v"}},
+        {"id": "3", "text": "three text\nShared paragraph P", "source": "s",
+         "metadata": {"url": "w"}},
+    ]
+    write_corpus(tmp_path, docs, 1, source="s")
+    cfg = {"exact": False, "key": "metadata.url", "paragraphs": True}
+    dedup(tmp_path, cfg, executor="serial")
+    assert flagged(tmp_path, "dedup__url") == {"1"}
+    assert attrs(tmp_path)["2"]["dedup__paragraphs"] == []  # doc 1 goes, doc 2 keeps P
+    assert attrs(tmp_path)["3"]["dedup__paragraphs"] == [[11, 29, 1.0]]
+    mix(tmp_path, mixer_rules(cfg), executor="serial")
+    assert sum(d["text"].count("Shared paragraph P") for d in mixed_docs(tmp_path)) == 1
 
 
 def test_dedup_of_its_own_output_removes_nothing(tmp_path):
@@ -243,6 +259,13 @@ def test_config_errors_name_the_closest_key():
         DedupConfig.from_dict({"minhash": {"threshold": 1.5}})
     with pytest.raises(OlmoflowError, match="nothing to do"):
         DedupConfig.from_dict({"exact": False})
+
+
+def test_impossible_banding_is_a_config_error(tmp_path):
+    write_corpus(tmp_path, distinct_docs(2), 1)
+    with pytest.raises(OlmoflowError, match=r"dedup.minhash: .*b < 2"):
+        dedup(tmp_path, {"minhash": {"threshold": 1.0}}, executor="serial")
+    assert not (tmp_path / "work" / "dedup" / "map").exists()  # failed before hashing
 
 
 def test_hash_helpers():

@@ -61,7 +61,7 @@ def tokenize_all(root: Path, tok_dir: str, executor: str, workers: int) -> list[
 
 def digests(d: Path) -> dict[str, str]:
     return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
 def test_parallel_tokenization_is_byte_identical_and_round_trips(tmp_path, tokenizer_dir):
@@ -194,3 +194,73 @@ def test_bad_config_is_a_one_line_error(tmp_path, capsys):
     assert main(["data", "run", str(cfg), "executr=ray"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "olmoflow: error: unknown config key 'executr'; did you mean 'executor'?"
+
+
+def test_train_quality_verb_reports_heldout_accuracy(tmp_path, capsys):
+    from olmoflow.cli import main
+
+    pytest.importorskip("fasttext", reason="needs fasttext-numpy2 (pip install 'olmoflow[data]')")
+    shared = Path(__file__).resolve().parents[3] / "shared" / "data" / "web-crawl"
+    if not shared.is_dir():
+        pytest.skip("../shared/data absent: the DCLM labeled examples are needed")
+    files = [str(shared / "dclm_agreement_data.jsonl"), str(shared / "dclm_majority_data.jsonl")]
+    assert main(["data", "train-quality", *files, "epoch=5", "--out", str(tmp_path)]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert 0.0 <= report["heldout_accuracy"] <= 1.0 and report["hyperparameters"]["epoch"] == 5
+    assert (tmp_path / "quality.bin").is_file()
+    assert main(["data", "train-quality", *files, "epochs=5", "--out", str(tmp_path)]) == 2
+    assert "did you mean 'epoch'" in capsys.readouterr().err
+
+
+SHOUTING = '''
+from olmoflow.data.taggers import Tagger, register_tagger
+
+
+@register_tagger("shouting")
+class Shouting(Tagger):
+    def tag(self, doc):
+        text = doc["text"]
+        letters = [c for c in text if c.isalpha()]
+        frac = sum(c.isupper() for c in letters) / max(len(letters), 1)
+        return {self.attr("upper_fraction"): [[0, len(text), frac]]}
+'''
+
+
+def test_a_user_tagger_from_a_plugin_file_runs_in_the_workers(tmp_path):
+    from olmoflow.data.engine import Engine
+    from olmoflow.data.report import step_manifests
+
+    plugin = tmp_path / "shout.py"
+    plugin.write_text(SHOUTING)
+    base = small_run(tmp_path)
+    docs = [{"text": "quiet words here"}, {"text": "LOUD WORDS HERE"}, {"text": "Mixed Case"}]
+    for name in ("a", "b"):  # two shards, so two worker processes tag
+        (tmp_path / "in" / f"{name}.jsonl").write_text(
+            "".join(__import__("json").dumps(d) + "\n" for d in docs))
+    cfg = load_data_config(base, [
+        "executor=local", "workers=2", f"plugins=['{plugin}']", "taggers=[shouting]",
+        "steps=[ingest, tag, mix]", f"sources=[{{name: web, paths: ['{tmp_path / 'in'}']}}]",
+        "mixer={exclude: ['shouting__upper_fraction > 0.5']}"])
+    Engine(cfg).run()
+    mix = step_manifests(cfg.output)["mix"]["counts"]
+    assert mix["removed"] == {"exclude: shouting__upper_fraction > 0.5":
+                              {"documents": 2, "bytes": 2 * len("LOUD WORDS HERE")}}
+    bad = load_data_config(base, [f"plugins=['{tmp_path / 'nope.py'}']",
+                                                 "steps=[ingest, tag]"])
+    with pytest.raises(OlmoflowError, match="plugins: cannot import"):
+        Engine(bad).run()
+
+
+def test_tokenize_with_a_given_tokenizer_directory(tmp_path, tokenizer_dir):
+    from olmoflow.data.engine import Engine
+
+    cfg = load_data_config(small_run(tmp_path), ["steps=[ingest, mix, tokenize]",
+                                                 f"tokenize.tokenizer={tokenizer_dir}"])
+    Engine(cfg).run()
+    meta = __import__("json").loads((tmp_path / "run" / "tokens" / "meta.json").read_text())
+    assert meta["vocab_size"] == load_tokenizer(tokenizer_dir).vocab_size
+    assert meta["documents"] == 27 and not (tmp_path / "run" / "tokenizer").exists()
+    bad = load_data_config(small_run(tmp_path), ["steps=[tokenize]",
+                                                 f"tokenize.tokenizer={tmp_path}"])
+    with pytest.raises(OlmoflowError, match="no tokenizer.json"):
+        Engine(bad).run()

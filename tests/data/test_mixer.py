@@ -241,3 +241,19 @@ def test_merge_settings_appends_step_rules_once():
                                   {"attribute": "dedup__exact", "op": "==", "value": 1}],
                       "remove_spans": ["dedup__paragraphs"]}
     MixConfig.from_dict(merged)  # valid as a mixer config
+
+
+def test_bad_document_lines_are_counted_or_raise_with_strict(tmp_path):
+    rows = corpus(4)["web/0000"]
+    make_run(tmp_path, {"web/0000": rows})
+    shard = tmp_path / "documents/web/0000.jsonl.gz"
+    lines = gzip.open(shard, "rt").read().splitlines()
+    lines[1] = "{broken"
+    with gzip.open(shard, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    stats = mix(tmp_path, {"attributes": ["tags"]}, executor="serial")
+    assert stats["documents_in"] == 1 and len(stats["errors"]) == 1
+    assert "0000.jsonl.gz:2: not JSON" in stats["errors"][0]
+    assert list(dropped(tmp_path)) == ["0", None]  # still line-aligned with the documents
+    with pytest.raises(OlmoflowError, match=r"0000.jsonl.gz:2: not JSON"):
+        mix(tmp_path, {"attributes": ["tags"], "seed": 3}, executor="serial", strict=True)

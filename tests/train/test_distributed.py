@@ -9,7 +9,13 @@ model from the same seed on the same data and global batch (8 instances, micro-b
 - DDP x2 and FSDP x2 log the single-process losses and gradient norms at every step (1e-5);
 - a checkpoint saved by 1 process resumes on 2 (FSDP and DDP), and one saved by 2 (FSDP and
   DDP) resumes on 1, and steps 4-6 equal the uninterrupted single-process run (1e-5);
-- only rank 0 writes the metrics log (one line per step, no duplicates).
+- only rank 0 writes the metrics log (one line per step, no duplicates);
+- `olmoflow pretrain` (CLI -> pipeline -> stage) on 2 ranks writes one manifest with the
+  single-process losses;
+- a model built on the meta device gets its FSDP shards allocated and initialised and learns.
+
+If FSDP2 on CPU/gloo were impossible these tests could not run; in torch 2.13 fully_shard on a
+"cpu" DeviceMesh works with gloo (all-gather and reduce-scatter).
 """
 
 from __future__ import annotations

@@ -113,3 +113,20 @@ def test_plan_cli(capsys):
         c.strip() for c in fits.split("|")[2:4]]
     assert main(["plan", "olmo3_7b", "--gpus", "3"]) == 2  # 512 instances do not split over 3
     assert "not divisible by --gpus 3" in capsys.readouterr().err
+
+
+def test_official_configs_match_presets_and_the_launch_guide():
+    """configs/olmo3_{7b,32b}.yaml have the presets' shapes (stage-1 context, no YaRN), and
+    docs/launch.md shows exactly what `olmoflow plan` prints for them."""
+    from pathlib import Path
+
+    from olmoflow.model.presets import get_preset
+    from olmoflow.train.plan import plan_config
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "launch.md").read_text()
+    for name, params, gpus in (("olmo3_7b", OLMO2_7B_PARAMS, 64), ("olmo3_32b", 32_234_279_936, 128)):
+        cfg = load_config(name)
+        preset = get_preset(name, max_sequence_length=8192, yarn_factor=None)
+        assert cfg.model == preset and cfg.model.num_params() == params
+        assert cfg.train.data_parallel == "fsdp"
+        assert plan_config(cfg, gpus) in guide, f"docs/launch.md is out of date for {name}"

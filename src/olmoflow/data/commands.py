@@ -90,7 +90,9 @@ def _run(args: argparse.Namespace) -> None:
     cfg = load_for_args(args)
     engine = Engine(cfg, progress=not args.no_progress, force=args.force)
     steps = None if args.action == "run" else [args.action]
-    print(f"data run {engine.root} ({cfg.executor}, workers={cfg.workers or 'all cores'})")
+    where = cfg.executor if cfg.executor == "serial" else \
+        f"{cfg.executor}, workers={cfg.workers or 'all cores'}"
+    print(f"data run {engine.root} ({where})")
     engine.run(steps, on_step=lambda o: print(summary_line(o), flush=True))
     if args.action in ("run", "mix", "tokenize"):
         print(f"report: olmoflow data report {engine.root}")

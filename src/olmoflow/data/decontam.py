@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from olmoflow.artifacts import atomic_open, atomic_write_json, sha256_file, sha256_json
-from olmoflow.data.dedup import (
+from olmoflow.data.ngrams import (
     WORD_RE,
     ngram_hashes,
     ngram_hashes_many,
@@ -213,6 +213,9 @@ class DecontamConfig:
         if cfg.action not in ACTIONS:
             raise OlmoflowError(unknown_name_error(f"{where}.action", str(cfg.action),
                                                    ACTIONS).args[0])
+        if not isinstance(cfg.files, dict) or not isinstance(cfg.evals, list):
+            raise OlmoflowError(f"{where}: 'evals' must be a list of names and 'files' a mapping "
+                                "of name to {path, fields}")
         for name in cfg.evals:
             if name not in BUILTIN_EVALS:
                 raise OlmoflowError(unknown_name_error(f"{where}.evals set", str(name),
@@ -251,8 +254,8 @@ class DecontamConfig:
         try:
             yield from BUILTIN_EVALS[name](Path(self.eval_dir))
         except FileNotFoundError as e:
-            raise OlmoflowError(f"eval set '{name}': no such file '{e.filename}' (set "
-                                "decontam.eval_dir to the folder that holds the eval data)") from None
+            raise OlmoflowError(f"eval set '{name}': no such file '{e.filename}' (set decontam."
+                                "eval_dir to the folder that holds the eval data)") from None
 
     def eval_files(self) -> list[str]:
         root = Path(self.eval_dir)
@@ -314,7 +317,8 @@ def build_index(cfg: DecontamConfig | dict[str, Any]) -> tuple[EvalIndex, dict[s
                 n_items += 1
                 token_lists += [toks for toks in map(words, texts) if len(toks) >= cfg.ngram]
         except (ValueError, KeyError, IndexError, UnicodeDecodeError) as e:
-            raise OlmoflowError(f"eval set '{name}': unreadable ({type(e).__name__}: {e})") from None
+            raise OlmoflowError(
+                f"eval set '{name}': unreadable ({type(e).__name__}: {e})") from None
         h = unique_sorted(ngram_hashes_many(token_lists, cfg.ngram, cache))
         n_texts = len(token_lists)
         all_h.append(h)
@@ -365,8 +369,10 @@ def decontam_shard(task: dict[str, Any]) -> dict[str, Any]:
                                         errors=errors):
             if doc is None or not isinstance(doc.get("text"), str):
                 if doc is not None:
-                    errors.append(f"{task['documents']}:{lineno}: document without a string "
-                                  "'text'")
+                    msg = f"{task['documents']}:{lineno}: document without a string 'text'"
+                    if task.get("strict"):
+                        raise OlmoflowError(msg)
+                    errors.append(msg)
                 yield {"id": doc.get("id") if doc else None, "attributes": {}}
                 continue
             text = doc["text"]
@@ -380,7 +386,7 @@ def decontam_shard(task: dict[str, Any]) -> dict[str, Any]:
                 # Offsets come from the same lowercased string the words were taken from.
                 lower = text.lower()
                 pos = [(m.start(), m.end()) for m in WORD_RE.finditer(lower)]
-                starts = np.array([p[0] for p in pos])
+                starts = np.array([min(p[0], len(text)) for p in pos])
                 ends = np.array([min(p[1], len(text)) for p in pos])
                 for bit, a in enumerate(names):
                     hit = np.flatnonzero(masks & np.uint64(1 << bit))

@@ -4,15 +4,16 @@ Dedup is a global step run as map → reduce → map (Dolma's and datatrove's sh
 
 1. *map* (one job per documents shard): hash each document's text (128-bit BLAKE2b), its key
    (e.g. ``metadata.url``), each paragraph (a line, stripped; 128-bit), and its MinHash signature
-   over word n-gram shingles; write them to ``DIR/work/dedup/map/<shard>.npz``.
+   over word n-gram shingles; write them to ``DIR/work/dedup/map/<task hash>.npz``.
 2. *reduce* (in the driver): walk the corpus in its order (shard order, then line) and mark every
-   copy after the first. Exact, key and paragraph duplicates use ``np.unique`` (first occurrence
-   wins); near-duplicates are found greedily with ``datasketch.MinHashLSH``: a document is a
+   copy after the first. Exact and key duplicates use ``np.unique`` (first occurrence wins).
+   Near-duplicates are found greedily with ``datasketch.MinHashLSH``: a document is a
    near-duplicate when an earlier *kept* document's estimated Jaccard similarity is at least the
    threshold, otherwise it is kept and inserted into the index. Comparing only with kept
    documents keeps both promises: everything above the threshold of a kept document goes, nothing
    is removed for resembling a document that was itself removed, and deduplicating the output
-   again finds nothing.
+   again finds nothing. A paragraph's kept copy is its first among the documents no
+   document-level method flags, so dropping duplicate documents never loses a paragraph.
 3. *map*: write the attribute set ``dedup`` line-aligned with each shard
    (``DIR/attributes/dedup/<shard>.jsonl.gz``):
 
@@ -21,20 +22,21 @@ Dedup is a global step run as map → reduce → map (Dolma's and datatrove's sh
    - ``dedup__paragraphs``: a span ``[start, end, 1.0]`` per duplicate paragraph, its newline
      included, so the mixer's ``remove_spans`` leaves no blank line behind.
 
-:func:`mixer_rules` gives the mixer settings that act on these attributes. Shingles are the
-normalized (lowercased, ``\\w+``) words taken ``ngram`` at a time; their 32-bit hashes come from
-vectorized word-hash arithmetic, and datasketch turns them into signatures (its ``affine32``
-permutations, seeded by ``minhash.seed``). References: Broder 1997 (MinHash); Leskovec et al.,
-*Mining of Massive Datasets* ch. 3 (LSH banding); Lee et al. 2022 (dedup for LMs).
+Driver memory in the reduce: 16 bytes per document for exact and for key hashes, 40 per paragraph,
+and ``4 * num_perm`` per document for MinHash (512 at 128 permutations) plus the LSH index of kept
+documents. :func:`mixer_rules` gives the mixer settings that act on these attributes.
+
+Shingles are the normalized (lowercased, ``\\w+``) words taken ``ngram`` at a time; their 32-bit
+hashes come from :mod:`olmoflow.data.ngrams`, and datasketch turns them into signatures (its
+``affine32`` permutations, seeded by ``minhash.seed``). References: Broder 1997 (MinHash);
+Leskovec et al., *Mining of Massive Datasets* ch. 3 (LSH banding); Lee et al. 2022 (dedup for LMs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ import numpy as np
 
 from olmoflow.artifacts import atomic_open, sha256_file
 from olmoflow.data.executor import task_key
+from olmoflow.data.ngrams import digest128, ngram_hashes, unique_sorted, word_hashes, words
 from olmoflow.data.shards import (
     RunJobs,
     local_runner,
@@ -60,88 +63,6 @@ from olmoflow.errors import OlmoflowError, unknown_name_error
 log = logging.getLogger(__name__)
 
 ATTRIBUTE_SET = "dedup"
-WORD_RE = re.compile(r"\w+")
-_MASK64 = (1 << 64) - 1
-# Odd 64-bit multipliers for combining word hashes into n-gram hashes (splitmix64 constants).
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-
-# ---------------------------------------------------------------------------------------------
-# Hashing shared with decontamination
-
-
-def words(text: str) -> list[str]:
-    """Normalized words: lowercased ``\\w+`` runs (Unicode-aware; punctuation is dropped)."""
-    return WORD_RE.findall(text.lower())
-
-
-def word_hashes(tokens: list[str], cache: dict[str, int] | None = None) -> np.ndarray:
-    """64-bit hashes (BLAKE2b) of ``tokens``, shape ``(len(tokens),)``, dtype uint64.
-
-    ``cache`` memoizes per word: word frequencies are Zipfian, so most lookups hit.
-    """
-    cache = {} if cache is None else cache
-    for w in set(tokens).difference(cache):
-        cache[w] = int.from_bytes(
-            hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-    return np.fromiter(map(cache.__getitem__, tokens), dtype=np.uint64, count=len(tokens))
-
-
-def unique_sorted(values: np.ndarray) -> np.ndarray:
-    """The distinct values of a 1-d array, sorted (a sort and a diff: faster than np.unique's
-    hash table on uint64)."""
-    v = np.sort(values)
-    return v[np.concatenate(([True], v[1:] != v[:-1]))] if len(v) else v
-
-
-def ngram_hashes_many(token_lists: list[list[str]], n: int, cache: dict[str, int] | None = None
-                      ) -> np.ndarray:
-    """The n-gram hashes of many texts at once (no n-gram crosses two texts), concatenated.
-
-    Equal to ``np.concatenate([ngram_hashes(word_hashes(t), n) for t in token_lists])`` but
-    vectorized over all texts, which matters for the many short texts of an eval set.
-    """
-    lengths = np.array([len(t) for t in token_lists], dtype=np.int64)
-    h = ngram_hashes(word_hashes([w for t in token_lists for w in t], cache), n)
-    if not len(h):
-        return h
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    ok = lengths >= n
-    edges = np.zeros(len(h) + 1, dtype=np.int64)
-    np.add.at(edges, offsets[ok], 1)
-    np.add.at(edges, offsets[ok] + lengths[ok] - n + 1, -1)
-    return h[np.cumsum(edges[:-1]) > 0]
-
-
-def _fmix64(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(_MIX[1])
-    h = h ^ (h >> np.uint64(29))
-    h = h * np.uint64(_MIX[2])
-    return h ^ (h >> np.uint64(32))
-
-
-def ngram_hashes(word_h: np.ndarray, n: int) -> np.ndarray:
-    """64-bit hashes of every run of ``n`` consecutive words, shape ``(max(0, len - n + 1),)``.
-
-    ``h = fmix64(sum_k word_h[i + k] * M**(k + 1) mod 2**64)``: order-sensitive, vectorized over the
-    document (n passes of numpy arithmetic, no Python loop per word).
-    """
-    m = len(word_h) - n + 1
-    if m <= 0:
-        return np.empty(0, dtype=np.uint64)
-    acc = np.zeros(m, dtype=np.uint64)
-    mult = np.uint64(1)
-    for k in range(n):
-        mult = np.uint64((int(mult) * _MIX[0]) & _MASK64)
-        acc += word_h[k: k + m] * mult
-    return _fmix64(acc)
-
-
-def _digest128(data: str) -> tuple[int, int]:
-    d = hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little")
-
-
 # ---------------------------------------------------------------------------------------------
 # Config
 
@@ -215,8 +136,17 @@ class DedupConfig:
             if mh.bands is not None and mh.bands * mh.rows > mh.num_perm:
                 raise OlmoflowError(f"{where}.minhash: bands * rows ({mh.bands * mh.rows}) exceeds "
                                     f"num_perm ({mh.num_perm})")
+        for k in ("exact", "paragraphs"):
+            if not isinstance(getattr(cfg, k), bool):
+                raise OlmoflowError(f"{where}.{k} expects true/false, got {getattr(cfg, k)!r}")
+        if not isinstance(cfg.min_paragraph_chars, int) or cfg.min_paragraph_chars < 1:
+            raise OlmoflowError(f"{where}.min_paragraph_chars must be a positive integer")
         if cfg.key is not None and not (isinstance(cfg.key, str) and cfg.key.strip(".")):
             raise OlmoflowError(f"{where}.key must be a dotted path such as 'metadata.url'")
+        if cfg.key and key_attribute(cfg.key) in {f"{ATTRIBUTE_SET}__{n}" for n in
+                                                  ("exact", "paragraphs", "minhash")}:
+            raise OlmoflowError(f"{where}.key '{cfg.key}' would be written as "
+                                f"{key_attribute(cfg.key)}, a name dedup already uses")
         if not (cfg.exact or cfg.key or cfg.paragraphs or cfg.minhash):
             raise OlmoflowError(f"{where}: nothing to do; enable exact, key, paragraphs or minhash")
         return cfg
@@ -285,8 +215,8 @@ def _identity(x: Any) -> Any:
     return x
 
 
-class _Signer:
-    """MinHash signatures with one set of datasketch permutations (drawing them is the slow part)."""
+class MinHashSigner:
+    """MinHash signatures sharing one set of datasketch permutations (drawing them is slow)."""
 
     def __init__(self, mh: MinHashConfig):
         from datasketch import MinHash
@@ -342,7 +272,7 @@ def dedup_map_shard(task: dict[str, Any]) -> dict[str, Any]:
     errors: list[str] = []
     valid, exact, keys, key_ok, sigs, sig_ok = [], [], [], [], [], []
     p_hash, p_doc, p_start, p_end = [], [], [], []
-    signer = _Signer(cfg.minhash) if cfg.minhash else None
+    signer = MinHashSigner(cfg.minhash) if cfg.minhash else None
     n_docs = n_bytes = 0
     for lineno, doc in read_records(task["documents"], strict=strict, errors=errors):
         i = len(valid)
@@ -353,15 +283,15 @@ def dedup_map_shard(task: dict[str, Any]) -> dict[str, Any]:
             n_docs += 1
             n_bytes += text_bytes(text)
         if cfg.exact:
-            exact.append(_digest128(text))
+            exact.append(digest128(text))
         if cfg.key:
             value = None if bad else _lookup(doc, cfg.key)
             present = value is not None and value != ""
-            keys.append(_digest128(repr(value)) if present else (0, 0))
+            keys.append(digest128(repr(value)) if present else (0, 0))
             key_ok.append(present)
         if cfg.paragraphs and not bad:
             for start, end, body in paragraphs(text, cfg.min_paragraph_chars):
-                p_hash.append(_digest128(body))
+                p_hash.append(digest128(body))
                 p_doc.append(i)
                 p_start.append(start)
                 p_end.append(end)
@@ -404,6 +334,18 @@ def _later_copies(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return dup
 
 
+def _lsh(mh: MinHashConfig):
+    """An empty ``datasketch.MinHashLSH`` for ``mh`` (banding from bands/rows or the optimum)."""
+    from datasketch import MinHashLSH
+
+    params = (mh.bands, mh.rows) if mh.bands else None
+    try:
+        return MinHashLSH(threshold=mh.threshold, num_perm=mh.num_perm, params=params)
+    except ValueError as e:  # e.g. fewer than 2 bands for this threshold and num_perm
+        raise OlmoflowError(f"dedup.minhash: {e}; change threshold, num_perm or bands/rows") \
+            from None
+
+
 def near_duplicates(sigs: np.ndarray, ok: np.ndarray, mh: MinHashConfig) -> np.ndarray:
     """Greedy MinHash-LSH near-duplicate marking in corpus order.
 
@@ -418,14 +360,9 @@ def near_duplicates(sigs: np.ndarray, ok: np.ndarray, mh: MinHashConfig) -> np.n
     Raises:
         OlmoflowError: datasketch cannot band ``num_perm`` for ``threshold`` (fewer than 2 bands).
     """
-    from datasketch import LeanMinHash, MinHashLSH
+    from datasketch import LeanMinHash
 
-    params = (mh.bands, mh.rows) if mh.bands else None
-    try:
-        lsh = MinHashLSH(threshold=mh.threshold, num_perm=mh.num_perm, params=params)
-    except ValueError as e:  # e.g. fewer than 2 bands for this threshold and num_perm
-        raise OlmoflowError(f"dedup.minhash: {e}; change threshold, num_perm or bands/rows") \
-            from None
+    lsh = _lsh(mh)
     dup = np.zeros(len(sigs), dtype=bool)
     for g in np.flatnonzero(ok):
         sig = sigs[g]
@@ -451,19 +388,32 @@ def _reduce(cfg: DedupConfig, map_paths: list[str]) -> list[dict[str, np.ndarray
             out[i][name] = flags[edges[i]: edges[i + 1]]
 
     valid = np.concatenate([m["valid"] for m in maps])
+    doc_dup = np.zeros(len(valid), dtype=bool)
     if cfg.exact:
-        split("exact", _later_copies(np.concatenate([m["exact"] for m in maps]), valid), sizes)
+        flags = _later_copies(np.concatenate([m["exact"] for m in maps]), valid)
+        doc_dup |= flags
+        split("exact", flags, sizes)
     if cfg.key:
         ok = valid & np.concatenate([m["key_ok"] for m in maps])
-        split("key", _later_copies(np.concatenate([m["key"] for m in maps]), ok), sizes)
-    if cfg.paragraphs:
-        rows = np.concatenate([m["para_hash"] for m in maps])
-        split("paragraphs", _later_copies(rows, np.ones(len(rows), dtype=bool)),
-              [len(m["para_hash"]) for m in maps])
+        flags = _later_copies(np.concatenate([m["key"] for m in maps]), ok)
+        doc_dup |= flags
+        split("key", flags, sizes)
     if cfg.minhash:
         sigs = np.concatenate([m["minhash"] for m in maps])
         ok = valid & np.concatenate([m["minhash_ok"] for m in maps])
-        split("minhash", near_duplicates(sigs, ok, cfg.minhash), sizes)
+        flags = near_duplicates(sigs, ok, cfg.minhash)
+        doc_dup |= flags
+        split("minhash", flags, sizes)
+    if cfg.paragraphs:
+        rows = np.concatenate([m["para_hash"] for m in maps])
+        para_doc = np.concatenate([m["para_doc"] + start for m, start in
+                                   zip(maps, np.cumsum([0] + sizes[:-1]))]).astype(np.int64)
+        # A paragraph's kept copy must lie in a document dedup keeps; otherwise removing the
+        # document would take the paragraph's only surviving copy with it.
+        in_kept = ~doc_dup[para_doc]
+        flags = np.where(in_kept, _later_copies(rows, in_kept),
+                         _later_copies(rows, np.ones(len(rows), dtype=bool)))
+        split("paragraphs", flags, [len(m["para_hash"]) for m in maps])
     return out
 
 
@@ -550,6 +500,8 @@ def run_dedup(cfg: DedupConfig | dict[str, Any] | None, tasks: list[dict[str, An
         OlmoflowError: bad config; bad lines when ``strict``.
     """
     cfg = DedupConfig.from_dict(cfg)
+    if cfg.minhash:
+        _lsh(cfg.minhash)  # a banding error now, not after hashing the corpus
     work = Path(root) / WORK_DIR / ATTRIBUTE_SET
     map_tasks = []
     for t in tasks:

@@ -34,9 +34,7 @@ from typing import Any
 
 import yaml
 
-from olmoflow.artifacts import (
-    MANIFEST, StageResult, is_complete, now, read_manifest, sha256_json, write_manifest,
-)
+from olmoflow.artifacts import is_complete, now, read_manifest, sha256_json, write_manifest
 from olmoflow.config import _coerce, _set_dotted, parse_override
 from olmoflow.data.executor import EXECUTORS, run_shards, sum_stats
 from olmoflow.errors import OlmoflowError, closest, unknown_name_error
@@ -104,6 +102,7 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     quality: QualityConfig = field(default_factory=QualityConfig)
     taggers: list[Any] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
     dedup: dict[str, Any] = field(default_factory=dict)
     decontamination: dict[str, Any] = field(default_factory=dict)
     mixer: dict[str, Any] = field(default_factory=dict)
@@ -187,13 +186,17 @@ def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None
         OlmoflowError: a missing file, invalid YAML (file and line), an unknown key (with the
             closest valid key) or a bad value.
     """
-    from olmoflow.config import resolve_preset
+    from olmoflow.config import CONFIG_DIR
 
     p = Path(path)
     if not p.is_file():
-        p = resolve_preset(f"data/{path}") if not p.suffix else p
-    if not p.is_file():
-        raise OlmoflowError(f"data config not found: {path}")
+        presets = {q.stem: q for q in sorted((CONFIG_DIR / "data").glob("*.yaml"))}
+        if str(path) not in presets:
+            hint = closest(p.stem, presets)
+            raise OlmoflowError(f"data config '{path}' not found (no such file, and not a preset "
+                                "under configs/data/" + (f"; did you mean '{hint}'?)" if hint
+                                                          else ")"))
+        p = presets[str(path)]
     try:
         tree = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
@@ -251,9 +254,6 @@ class Engine:
                  phase: str = "", workers: int | None = None) -> list[dict[str, Any]]:
         """``run_shards`` with this run's executor, workers and done-markers."""
         done = self.done_dir(step) / phase if phase else self.done_dir(step)
-        if self.force and done.is_dir():
-            for m in done.glob("*.done.json"):
-                m.unlink()
         return run_shards(fn, tasks, executor=self.cfg.executor,
                           workers=workers or self.cfg.workers, done_dir=done,
                           desc=f"{step}{'/' + phase if phase else ''}",
@@ -289,6 +289,11 @@ class Engine:
         if not self.force and is_complete(out, fp):
             return StepOutcome(step, True, 0.0, read_manifest(out)["counts"])
         started = now()
+        if self.force:  # the mixer keeps its own done-markers under DIR/work/mix
+            import shutil
+
+            shutil.rmtree(self.done_dir(step), ignore_errors=True)
+            shutil.rmtree(self.root / "work" / step / "done", ignore_errors=True)
         result, extra = _steps.RUNNERS[step](self)
         write_manifest(out, stage=f"data {step}", command=f"olmoflow data {step}",
                        config=_steps.step_config(self, step), fingerprint=fp,
@@ -405,5 +410,5 @@ def summary_line(o: StepOutcome) -> str:
     return "  ".join(parts)
 
 
-__all__ = ["DataConfig", "Engine", "MANIFEST", "STEPS", "SourceConfig", "StageResult",
-           "StepOutcome", "load_data_config", "step_stats", "summary_line"]
+__all__ = ["DataConfig", "Engine", "STEPS", "SourceConfig", "StepOutcome", "load_data_config",
+           "step_stats", "summary_line"]

@@ -11,7 +11,7 @@ as in Dolma's ``mixer``), and for each document, in this order:
    ``u = int.from_bytes(blake2b(f"{seed}:{id}", digest_size=8), "big") / 2**64`` — a
    deterministic uniform number per (seed, id), so the same documents are chosen on every run and
    whatever the number of workers. Copy ``k >= 1`` gets the id ``f"{id}#{k}"``;
-4. span edits: ``replace`` masks spans (``{pii__email: "|||EMAIL_ADDRESS|||"}``) and
+4. span edits: ``replace`` masks spans (``{pii__email_address: "|||EMAIL_ADDRESS|||"}``) and
    ``remove_spans`` deletes them (e.g. ``dedup__paragraphs``); a document left blank is dropped;
 5. size limits: ``max_documents`` / ``max_bytes`` in total keep a prefix of the output in shard
    order; ``max_documents_per_shard`` / ``max_bytes_per_shard`` split the output into parts
@@ -19,8 +19,8 @@ as in Dolma's ``mixer``), and for each document, in this order:
 
 A rule is ``{attribute, op, value[, aggregate][, name]}`` or the same as one string,
 ``"[aggregate(]attribute[)] op value"``, e.g. ``"gopher__word_count < 50"`` or
-``"sum(pii__email) > 0"`` (see :mod:`olmoflow.data.rules`). The source of a document, for weights
-and per-source stats, is its shard's directory under ``DIR/documents``.
+``"count(pii__email_address) > 0"`` (see :mod:`olmoflow.data.rules`). The source of a document,
+for weights and per-source stats, is its shard's directory under ``DIR/documents``.
 
 Every dropped document is explained: the stats count documents and bytes per rule and per source,
 and ``DIR/attributes/mixer/<source>/<shard>.jsonl.gz`` (when ``write_dropped``) holds, line-aligned
@@ -127,8 +127,7 @@ class MixConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (rules as mappings), the form shard tasks carry."""
-        out = dataclasses.asdict(self)
-        return out
+        return dataclasses.asdict(self)
 
 
 def merge_settings(base: dict[str, Any] | None, *extra: dict[str, Any]) -> dict[str, Any]:
@@ -515,7 +514,8 @@ def mix(
     sources = sorted({shard_source(s) for s in shards})
     for src in cfg.weights:
         if src not in sources:
-            raise OlmoflowError(f"mix.weights: {unknown_name_error('source', src, sources).args[0]}")
+            err = unknown_name_error("source", src, sources)
+            raise OlmoflowError(f"mix.weights: {err.args[0]}")
     _check_names(cfg, data_dir, shards)
     out_dir = data_dir / MIXED_DIR
     tasks = [{

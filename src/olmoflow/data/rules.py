@@ -2,10 +2,11 @@
 
 A rule is ``{attribute, op, value[, aggregate][, name]}`` or the same as one string,
 ``"[aggregate(]attribute[)] op value"``, e.g. ``"gopher__word_count < 50"`` or
-``"sum(pii__email) > 0"``. The aggregate turns the attribute's spans ``[[start, end, score]]`` into
-one number: ``max`` (the default; for a document-level attribute, its score), ``min``, ``sum``,
-``count`` (number of spans), ``any`` (1 if a span has a non-zero score) or ``frac`` (fraction of the
-text's characters covered by spans). An attribute with no spans aggregates to 0. ``op`` is one of
+``"count(pii__email_address) > 0"``. The aggregate turns the attribute's spans
+``[[start, end, score]]`` into one number: ``max`` (the default; for a document-level attribute,
+its score), ``min``, ``sum``, ``count`` (number of spans), ``any`` (1 if a span has a non-zero
+score) or ``frac`` (fraction of the text's characters covered by spans). An attribute with no
+spans aggregates to 0. ``op`` is one of
 ``== != < <= > >=``; ``value`` a number (``true``/``false`` read as 1/0).
 """
 
@@ -85,8 +86,8 @@ def parse_rule(obj: Any, where: str) -> Rule:
     if isinstance(obj, str):
         m = _RULE_RE.match(obj)
         if not m:
-            raise OlmoflowError(f"{where}: cannot parse rule '{obj}'; write it as "
-                                "'[aggregate(]attribute[)] op value', e.g. 'gopher__word_count < 50'")
+            raise OlmoflowError(f"{where}: cannot parse rule '{obj}'; write it as '[aggregate(]"
+                                "attribute[)] op value', e.g. 'gopher__word_count < 50'")
         obj = {"attribute": m["attr1"] or m["attr2"], "op": m["op"], "value": m["value"],
                **({"aggregate": m["agg"]} if m["agg"] else {})}
     if isinstance(obj, Rule):

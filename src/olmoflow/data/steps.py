@@ -39,7 +39,11 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
                  "files": _stamps(s.paths)} for s in cfg.sources]
         return {**common, "sources": srcs}
     if step == "tag":
-        return {**common, "taggers": cfg.taggers, "quality": _asdict(cfg.quality)}
+        q = cfg.quality
+        files = [p for p in cfg.plugins if p.endswith(".py")] + q.labeled
+        files += [q.model] if q.model else []
+        return {**common, "taggers": cfg.taggers, "quality": _asdict(q),
+                "plugins": cfg.plugins, "files": _stamps(files)}
     if step == "dedup":
         return {**common, "dedup": cfg.dedup}
     if step == "decontaminate":
@@ -151,28 +155,61 @@ def quality_model(engine: Engine) -> str | None:
     return str(out)
 
 
-def run_tag(engine: Engine):
+def import_plugins(plugins: list[str]) -> None:
+    """Import the user's modules that register taggers (``@register_tagger``): dotted module
+    names, or ``.py`` files. Imported once per process.
+
+    Raises:
+        OlmoflowError: a module that cannot be imported (its error named).
+    """
+    import hashlib
+    import importlib
+    import importlib.util
+    import sys
+
+    for plugin in plugins:
+        key = (f"olmoflow_plugin_{hashlib.sha1(plugin.encode()).hexdigest()[:12]}"
+               if plugin.endswith(".py") else plugin)
+        if key in sys.modules:
+            continue
+        try:
+            if plugin.endswith(".py"):
+                spec = importlib.util.spec_from_file_location(key, Path(plugin).resolve())
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[key] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(plugin)
+        except Exception as e:  # noqa: BLE001 - any failure is the user's module's
+            sys.modules.pop(key, None)
+            raise OlmoflowError(f"plugins: cannot import '{plugin}': {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def tag_with_plugins(task: dict[str, Any]) -> dict[str, Any]:
+    """Shard job: import ``task["plugins"]`` (user taggers) in this worker, then
+    :func:`olmoflow.data.taggers.tag_shard`."""
     from olmoflow.data.taggers import tag_shard
 
+    import_plugins(task.get("plugins") or [])
+    return tag_shard(task)
+
+
+def run_tag(engine: Engine):
     cfg, out = engine.cfg, engine.step_dir("tag")
     if not cfg.taggers:
         raise OlmoflowError("the config lists no 'taggers'")
+    plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+    import_plugins(plugins)  # fail here, once, rather than in every worker
     taggers = with_quality_model(cfg.taggers, quality_model(engine))
     tasks = []
     for s in _doc_shards(engine):
         rel = _rel(engine, "ingest", s)
         tasks.append({"documents": s["path"], "source": s["source"], "output": str(out / rel),
-                      "taggers": taggers, "strict": cfg.strict,
-                      "input_sig": _sig(s["path"])})
-    results = engine.run_jobs("tag", tag_shard, tasks)
+                      "taggers": taggers, "strict": cfg.strict, "plugins": plugins})
+    results = engine.run_jobs("tag", tag_with_plugins, tasks)
     return _finish(engine, "tag", tasks, results, relative_shards(out, tasks),
                    [Path(t["documents"]) for t in tasks])
-
-
-def _sig(path: str) -> list[int]:
-    """``[size, mtime_ns]``: in a task, so that a rewritten input makes a fresh task."""
-    st = Path(path).stat()
-    return [st.st_size, st.st_mtime_ns]
 
 
 def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:

@@ -135,11 +135,14 @@ def auto_micro_batch(trainer) -> int:
     if device.type == "cuda":
         # DDP: try on the inner module, so a failing rank never leaves a collective half done.
         # FSDP2 (its own module) needs its collectives; every rank tries the same sizes in order.
-        moments_missing = not any(len(s) for s in trainer.optimizer.state.values())
+        optimizers = getattr(trainer.optimizer, "optimizers", [trainer.optimizer])  # Muon + AdamW
+        moments_missing = not any(len(s) for o in optimizers for s in o.state.values())
         shard = info.world_size if cfg.data_parallel == "fsdp" else 1
         n_params = sum(p.numel() for p in inner.parameters())
         reserve = int(8 * n_params / shard) if moments_missing else 0
-        vocab = model_cfg.vocab_size if model_cfg is not None else inner.get_input_embeddings().num_embeddings
+        vocab = getattr(model_cfg, "vocab_size", None)  # ModelConfig, or a transformers config
+        if not vocab:
+            raise OlmoflowError("train.auto_micro_batch needs the model's vocab_size (model.config)")
         fits = cuda_trial_fits(inner, sequence_length=cfg.sequence_length, vocab_size=vocab,
                                reserve_bytes=reserve, amp=amp)
         how = "tried forward+backward on " + str(device)
@@ -153,7 +156,7 @@ def auto_micro_batch(trainer) -> int:
                                  world_size=info.world_size, data_parallel=cfg.data_parallel,
                                  act_bytes=2 if amp is not None else 4,
                                  checkpointing=cfg.activation_checkpointing)
-        how = f"estimated against a {budget / GB:.2f} GB budget"
+        how = f"estimated against a {budget / GB:.3g} GB budget"
     m = distributed.all_reduce_min(find_micro_batch(per_rank, fits), info)
     trainer.micro_batch_choice = {"micro_batch_size": m, "per_rank_batch": per_rank,
                                   "accumulation_steps": per_rank // m, "how": how}

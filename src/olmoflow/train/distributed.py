@@ -228,11 +228,13 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
         from olmoflow.errors import unknown_name_error
 
         raise unknown_name_error("train.data_parallel", data_parallel, DATA_PARALLEL)
-    if any(p.is_meta for p in model.parameters()) and data_parallel == "ddp":
-        model = _materialize(model, info)  # DDP replicates: every rank holds the whole model
+    meta = any(p.is_meta for p in model.parameters())
+    if meta and (info.world_size == 1 or data_parallel == "ddp"):
+        # Nothing to shard: the whole model is allocated (DDP broadcasts rank 0's values).
+        model, meta = _materialize(model, info), False
     if info.world_size == 1:
         return model
-    if not any(p.is_meta for p in model.parameters()):
+    if not meta:
         model = model.to(info.device)
     if data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -246,7 +248,7 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if any(p.is_meta for p in model.parameters()):
+    if meta:
         model = _materialize(model, info)  # only this rank's shards are ever allocated
     return model
 

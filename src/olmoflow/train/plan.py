@@ -25,10 +25,11 @@ checks the count against a measurement): ``6 d + 4 q + 4 kv + 4 f`` activations 
 d_model``, ``q = n_heads * head_dim``, ``kv = n_kv_heads * head_dim``, ``f = mlp_hidden``. Under
 bf16 autocast the RMSNorm inputs (``q + kv + 2 d``) are upcast and kept in fp32 and the rest in
 bf16. Outside the blocks: the embedding output, the final norm's input and the LM head's input,
-``3 d`` (fp32), and 24 bytes of loss bookkeeping per token. A block under activation checkpointing keeps only its input (``d``, the fp32 residual)
-and is recomputed during backward, so one whole block's activations are live at a time on top.
-Compare Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-(2022), whose ``34 s b h`` per layer is this count for a GPT block with a 4h MLP in 16-bit.
+``3 d`` (fp32), and 24 bytes of loss bookkeeping per token. A block under activation
+checkpointing keeps only its input (``d``, the fp32 residual) and is recomputed during backward,
+so one whole block's activations are live at a time on top. Compare Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (2022): ``34 s b h`` bytes per
+layer (plus ``5 a s^2 b`` without fused attention), the analogous count for a GPT block.
 """
 
 from __future__ import annotations

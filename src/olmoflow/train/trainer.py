@@ -64,8 +64,8 @@ class Trainer:
         # Under torchrun: join the process group and wrap for DDP/FSDP2 (train.data_parallel)
         # before the optimizer sees the parameters, which fully_shard replaces by DTensor shards.
         self.dist = distributed.init_from_env()
-        self.per_rank_batch = distributed.per_rank_batch(cfg.global_batch_size,
-                                                         cfg.micro_batch_size, self.dist)
+        self.per_rank_batch = distributed.per_rank_batch(
+            cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dist)
         self.micro_batch_size = cfg.micro_batch_size  # train.auto_micro_batch may change it in fit()
         self.model = model = distributed.parallelize(model, cfg.data_parallel, self.dist)
         self.optimizer = build_optimizer(model, cfg)

@@ -177,9 +177,10 @@ def tag_shard(task: dict[str, Any]) -> dict[str, Any]:
     file to write, ``.jsonl.gz``), ``taggers`` (a list of names, or ``{name: {options}}``),
     optional ``strict`` (raise at the first bad line instead of counting it).
 
-    The output has one line per line of the documents file, ``{"id", "attributes"}``; a line that
-    is not a usable document gets ``{"id": null, "attributes": {}}`` so alignment holds, and is
-    counted in ``errors`` with its file and line. The file is written atomically and
+    The output has one line per non-blank line of the documents file (blank lines are skipped, as
+    every documents reader does), ``{"id", "attributes"}``; a line that is not a usable document
+    gets ``{"id": null, "attributes": {}}`` so alignment holds, and is counted in ``errors`` with
+    its file and line. A damaged gzip stream ends the shard there (counted too). The file is written atomically and
     deterministically (gzip mtime 0), so reruns and any number of workers give identical bytes.
 
     Returns the executor's stats: ``documents_in``, ``documents_out`` (attribute lines written),
@@ -215,14 +216,14 @@ def tag_shard(task: dict[str, Any]) -> dict[str, Any]:
                 errors.append(msg)
             else:
                 stats["documents_in"] += 1
-                stats["bytes_in"] += len(doc["text"].encode("utf-8", "surrogatepass"))
+                stats["bytes_in"] += len(doc["text"].encode("utf-8", "replace"))
                 record["id"] = doc.get("id")
                 attrs = record["attributes"]
                 for t in taggers:
                     t0 = time.perf_counter()
                     attrs.update(t.tag(doc))
                     seconds[t.name] += time.perf_counter() - t0
-            data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+            data = _encode(record)
             block.append(data)
             size += len(data)
             stats["documents_out"] += 1
@@ -231,6 +232,13 @@ def tag_shard(task: dict[str, Any]) -> dict[str, Any]:
                 block, size = [], 0
         gz.write(b"".join(block))
     return {**stats, "errors": errors, "outputs": [str(out)], "seconds": seconds}
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate in an id: escaped JSON is still valid UTF-8
+        return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
 
 
 def _parse(line: bytes) -> tuple[dict[str, Any] | None, str]:

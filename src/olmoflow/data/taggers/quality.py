@@ -3,8 +3,8 @@
 As in DCLM (Li et al. 2024), a supervised fastText classifier separates "keep" (label 1) from
 "drop" (label 0) documents; the ``quality`` tagger scores each document with P(label 1).
 :func:`train_quality` reads DCLM-style JSONL (``{"text": ..., "label": 0|1}`` per line), splits
-the examples deterministically into train and held-out (by a hash of the normalized text, so
-identical texts always land on the same side and cannot leak), trains with one thread and a fixed
+the examples deterministically into train and held-out (by a hash of the normalized text; a text
+seen twice is kept once, so no text is both trained on and tested on), trains with one thread and a fixed
 seed (fastText is then deterministic), and writes ``quality.bin`` and ``quality_report.json``
 (held-out accuracy, the majority-class baseline, precision/recall of label 1, sizes and
 hyper-parameters) atomically into ``out_dir``.
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "quality.bin"
 REPORT_FILE = "quality_report.json"
 _WORDS = re.compile(r"\w+|[^\w\s]")
-# Defaults sized for thousands of examples: hashed bigram buckets x dim x 4 bytes = an 8 MiB model.
+# Defaults sized for thousands of examples: (words + 16k hashed bigram buckets) x dim x 4 bytes
+# is a few MiB. fastText 0.9 diverges ("Encountered NaN") on this data with dim 8 or 16.
 TRAIN_DEFAULTS = {
-    "epoch": 20, "lr": 0.2, "word_ngrams": 2, "dim": 32, "bucket": 1 << 16, "min_count": 1,
+    "epoch": 50, "lr": 0.2, "word_ngrams": 2, "dim": 32, "bucket": 1 << 14, "min_count": 1,
 }
 
 
@@ -144,9 +145,15 @@ def train_quality(
     paths = [Path(p) for p in labeled_jsonl_paths]
     examples, errors = read_labeled(paths, text_field, label_field, strict)
     train, heldout = [], []
+    seen: set[str] = set()
+    duplicates = 0
     for text, label in examples:
         norm = normalize(text)
-        if norm:
+        if norm in seen:
+            # DCLM's agreement set is a subset of its majority set: count each text once.
+            duplicates += 1
+        elif norm:
+            seen.add(norm)
             (heldout if _is_heldout(norm, heldout_fraction) else train).append((norm, label))
     if len(train) < 2 or len(heldout) < 2:
         raise OlmoflowError(
@@ -182,7 +189,7 @@ def train_quality(
         "train_examples": len(train), "heldout_examples": len(heldout),
         "train_label_1": sum(lab for _, lab in train),
         "heldout_label_1": sum(truth),
-        "skipped_lines": len(errors), "errors": errors[:100],
+        "duplicates_dropped": duplicates, "skipped_lines": len(errors), "errors": errors[:100],
         "heldout_fraction": heldout_fraction, "seed": seed, "hyperparameters": params,
         "inputs": {str(p): sha256_file(p) for p in paths},
         "model_sha256": sha256_file(out / MODEL_FILE),

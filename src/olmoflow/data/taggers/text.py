@@ -41,6 +41,12 @@ _ABBREVIATIONS = (
     "Ill Inc Ind Jan Jr Jul Jun Kan Kans Ky La Ltd Mar Mass Md Messrs Mich Minn Miss Mo Mont Mr Mrs "
     "Ms Mt Neb Nebr Nev Nov Oct Okla Ore Pa Ph.D Prof Rep Rev Sen Sep Sept St Tenn Va Wash Wis co vs"
 ).split()
+# spaCy's char_classes.UNITS (Latin-script part) plus am/pm: split off a number they end.
+_UNITS = (
+    "km km² km³ m m² m³ dm dm² dm³ cm cm² cm³ mm mm² mm³ ha µm nm yd in ft kg g mg µg t lb oz "
+    "m/s km/h kmh mph hPa Pa mbar mb MB kb KB gb GB tb TB T G M K am pm"
+).split()
+_UNITS_RE = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 _ABBREV_RE = "|".join(re.escape(a) for a in sorted(_ABBREVIATIONS, key=len, reverse=True))
 
 # Each special case starts with a one-character lookahead, so ordinary words skip it cheaply
@@ -53,6 +59,8 @@ _TOKEN = re.compile(
     | (?=[a-z]\.)(?<![\w.])[a-z]\.(?!\w)                   # spaCy's single-letter exceptions: b.
     | (?=[:;8])(?<![\w|@^~])(?::[()D]|;\)|8\))(?![\w|@^~]) # emoticons :) :( :D ;) 8)
     | (?=[Cc]an)[Cc]an(?=not\b)                            # cannot -> can not
+    | (?=[UCA]\$)(?:US|C|A)\$                               # US$ C$ A$ are one token
+    | (?=\d)\d+(?:[.,]\d+)*(?=(?:{_UNITS_RE})(?!\w))         # 30mph -> 30 mph
     | [|@^~]*\w+(?:\.(?![A-Z])\w+|,(?![^\W\d_])\w+|[/:]\d\w*|(?<=[^\W\d_])-\d\w*|[|@^~]+\w*)*
       [|@^~]*                                              # | @ ^ ~ stick to words in spaCy
       (?:(?<![A-Z][A-Z])(?<=[A-Z])\.(?![\w.]))?            # I. X. keep their period
