@@ -138,6 +138,15 @@ def test_web_crawl_local_and_ray_identical_and_every_drop_explained(tmp_path, mo
     assert manifests["decontaminate"]["counts"]["flagged"]["decontam__gsm8k"]["documents"] == 1
     assert fate["misc/cs336_german.txt"] == "exclude: langid__en < 0.5"
 
+    # PII is masked: no email address is left in what the mixer wrote.
+    from olmoflow.data.taggers.pii import EMAIL
+
+    assert mix["edited"]["replace: pii__email_address"]["documents"] > 0
+    mixed = [json.loads(line)["text"] for p in sorted((local / "mixed").rglob("*.jsonl.gz"))
+             for line in gzip.open(p, "rt", encoding="utf-8")]
+    assert any("|||EMAIL_ADDRESS|||" in t for t in mixed)
+    assert not any(EMAIL.search(t) for t in mixed)
+
     # Tokens: indexes match the arrays, and hold exactly the mixed documents, in order.
     checked = check_tokens(local / "tokens", expected_documents=mix["documents_out"])
     assert checked["tokens"] == manifests["tokenize"]["counts"]["tokens"]

@@ -403,6 +403,10 @@ def summary_line(o: StepOutcome) -> str:
     if removed:
         n = sum(r["documents"] for r in removed.values())
         parts.append(f"removed {n:,} ({len(removed)} rules)")
+    flagged = [f"{k.split('__', 1)[-1]} {v['documents']:,}"
+               for k, v in (c.get("flagged") or {}).items() if v.get("documents")]
+    if "flagged" in c:
+        parts.append("flagged " + (", ".join(flagged) if flagged else "none"))
     if c.get("tokens"):
         parts.append(f"{c['tokens']:,} tokens")
     if c.get("errors"):

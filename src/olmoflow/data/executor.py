@@ -45,7 +45,7 @@ EXECUTORS = ("local", "ray", "serial")
 MARKER_SUFFIX = ".done.json"
 #: Task keys naming the files a job reads; their size and mtime are checked before a skip.
 INPUT_KEYS = ("input", "documents", "attributes")
-STAT_KEYS = ("documents_in", "documents_out", "bytes_in", "bytes_out")
+STAT_KEYS = ("documents_in", "documents_out", "bytes_in", "bytes_out", "tokens")
 
 ShardJob = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -275,7 +275,7 @@ def ray_init(workers: int | None = None, address: str | None = None) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(num_cpus=workers or default_workers(), include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, logging_level=logging.WARNING)
 
 
 def _run_ray(fn, tasks, pending, finish, workers, address, bar) -> None:

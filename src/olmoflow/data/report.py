@@ -141,11 +141,12 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
             removed = ", ".join(f"{k} {v.get('documents', 0):,}"
                                 for k, v in (sc.get("removed") or {}).items())
             src_rows.append([step, src, sc.get("documents_in"), sc.get("documents_out"),
-                             sc.get("bytes_in"), sc.get("bytes_out"), removed or "-"])
+                             sc.get("bytes_in"), sc.get("bytes_out"), sc.get("tokens"),
+                             removed or "-"])
     if src_rows:
         out += ["", "Per source",
                 _table(["step", "source", "docs in", "docs out", "bytes in", "bytes out",
-                        "removed by rule"], src_rows)]
+                        "tokens", "removed by rule"], src_rows)]
     bad = check_accounting(manifests)
     out += ["", "Accounting: every dropped document is explained by a rule" if not bad
             else "Accounting: NOT explained:\n  " + "\n  ".join(bad)]

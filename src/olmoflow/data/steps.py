@@ -354,6 +354,9 @@ def run_tokenize(engine: Engine):
     )
 
     t, out = engine.cfg.tokenize, engine.step_dir("tokenize")
+    if not engine.shards("mix"):
+        raise OlmoflowError(f"nothing to tokenize: the mixer kept no document (see 'olmoflow "
+                            f"data report {engine.root}' for the rules that removed them)")
     tok_dir, tok_files = tokenizer_dir(engine)
     tok = load_tokenizer(tok_dir, t.implementation)
     dtype = resolve_dtype(t.dtype, tok.vocab_size)

@@ -63,6 +63,7 @@ from torch import nn
 
 from olmoflow.model.attention import Attention, AttentionMask
 from olmoflow.model.layers import apply_rotary
+from olmoflow.model.olmo import Olmo
 
 UNIFORM_ENTROPY = 0.9  # a head whose mean normalised entropy reaches this counts as near-uniform
 _LAYER = re.compile(r"(?:^|\.)(?:blocks|layers)\.(\d+)\.")
@@ -246,6 +247,8 @@ class TrainingMetrics:
             with torch.no_grad():
                 device = next(self.model.parameters()).device
                 kw = {} if doc_ids is None else {"doc_ids": doc_ids.to(device)}
+                if isinstance(inner, Olmo):  # the probe needs no logits: skip most of the LM head
+                    kw["last_logits_only"] = True
                 self.model(ids.to(device), **kw)
         finally:
             self.model.train(was_training)

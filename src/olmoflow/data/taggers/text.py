@@ -49,6 +49,20 @@ _UNITS = (
 _UNITS_RE = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 _ABBREV_RE = "|".join(re.escape(a) for a in sorted(_ABBREVIATIONS, key=len, reverse=True))
 
+# Where spaCy's English infix rules split a whitespace-free run (after a word character): an
+# ellipsis, an operator between digits, a period between lower and upper case, a comma between
+# letters, a dash or one of : < > = / before a letter; a clitic apostrophe ("don't", "it's").
+_INFIX = (
+    r"(?:\.\.|…|(?<=\d)[-+*^](?=[\d-])|(?<=[a-z])\.(?=[A-Z])|(?<=[^\W\d_]),(?=[^\W\d_])"
+    r"|(?:-+|–|—|~)(?=[^\W\d_])|[:<>=/](?=[^\W\d_]))"
+)
+# Symbols that are not among spaCy's English prefixes/suffixes (its punctuation, quotes, brackets,
+# currency signs, ellipses, % = + § and dashes) stay attached to the word they touch: "|x", "・A".
+_SPLIT_OFF = re.escape(
+    "…,:;!?¿؟¡()[]{}<>_#*&。？！，、；：～·।،۔؛٪'\"”“`‘´’‚„»«「」『』（）〔〕【】《》〈〉⟦⟧"
+    "$£€¥฿₽﷼₴₠₡₢₣₤₥₦₧₨₩₪₫₭₮₯₰₱₲₳₵₶₷₸₹₺₻₼₾₿%=+§—–-./\\"
+)
+_GLUE = rf"[^\w\s{_SPLIT_OFF}]"
 # Each special case starts with a one-character lookahead, so ordinary words skip it cheaply
 # (1.5x faster than trying every alternative at every token).
 _TOKEN = re.compile(
@@ -59,10 +73,10 @@ _TOKEN = re.compile(
     | (?=[a-z]\.)(?<![\w.])[a-z]\.(?!\w)                   # spaCy's single-letter exceptions: b.
     | (?=[:;8])(?<![\w|@^~])(?::[()D]|;\)|8\))(?![\w|@^~]) # emoticons :) :( :D ;) 8)
     | (?=[Cc]an)[Cc]an(?=not\b)                            # cannot -> can not
-    | (?=[UCA]\$)(?:US|C|A)\$                               # US$ C$ A$ are one token
+    | (?=(?:US|C|A)\$)(?:US|C|A)\$                               # US$ C$ A$ are one token
     | (?=\d)\d+(?:[.,]\d+)*(?=(?:{_UNITS_RE})(?!\w))         # 30mph -> 30 mph
-    | [|@^~]*\w+(?:\.(?![A-Z])\w+|,(?![^\W\d_])\w+|[/:]\d\w*|(?<=[^\W\d_])-\d\w*|[|@^~]+\w*)*
-      [|@^~]*                                              # | @ ^ ~ stick to words in spaCy
+    | {_GLUE}*\w+(?:(?!{_INFIX})[^\w\s'’]+\w+)*{_GLUE}*    # inner punctuation sticks unless it
+                                                           # is a spaCy infix, prefix or suffix
       (?:(?<![A-Z][A-Z])(?<=[A-Z])\.(?![\w.]))?            # I. X. keep their period
     | ['’](?:[sStT]|re|ve|ll|[dDmM])\b                     # clitics: 's 't 're
     | \.{{2,}} | -{{2,}}                                   # ... and -- stay whole
