@@ -6,25 +6,29 @@ token file, seed 0), with the same global batch, AdamW settings (beta 0.9/0.95, 
 decay 0.1 on linear weights only), lr schedule (warmup + cosine, :func:`lr_at`), gradient
 clipping (1.0) and number of steps:
 
-- ours: ``Trainer.fit()`` on :class:`~olmoflow.model.olmo.Olmo` (fused CE + z-loss, fused AdamW
-  when available; the detailed log off, as in a default run);
+- ours: ``Trainer.train_step`` (what ``Trainer.fit`` runs per step: lr schedule, accumulation
+  normalised by the global batch, clipping, fused AdamW) on :class:`~olmoflow.model.olmo.Olmo`
+  (fused CE + z-loss; the detailed log off, as in a default run);
 - transformers: ``Olmo3ForCausalLM`` (sdpa attention, fp32) in the loop one writes by hand:
   ``model(input_ids, labels).loss.backward()``, clip, ``torch.optim.AdamW`` (its default foreach
   kernel), ``LambdaLR``; no z-loss (transformers has none).
 
-Each side runs in its own subprocess, alternating (ours, theirs, ours, theirs, ...) for
-``--rounds`` rounds so drifting load on a shared machine hits both; each keeps its best round.
-Tokens/s counts the steps after ``--warmup`` untimed ones (ours: the log's ``elapsed_s``, which
-stops before the final checkpoint is saved; theirs: a timer around the same steps). Peak memory is
-the child's peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``), shown whole and above
-the RSS after imports (both children import torch, transformers and olmoflow first). MFU is
-tokens/s x training FLOPs per token (:func:`train_flops_per_token`) over a matmul peak measured
-in this run, in the parent, with the same thread count. The final CE loss row checks that both
-sides did the same work.
+Each side runs in its own subprocess, and the parent drives them in lockstep over pipes: one
+step of one side, then one of the other (who goes first alternates), so a shared machine's
+drifting load hits both alike. A step is timed in its process from fetching the batch to the end
+of the optimizer step; the ``--warmup`` first steps are not timed. Tokens/s is one global batch
+over the median step (the headline), and over the fastest step; tokens per CPU-second (process
+time, all threads) is less sensitive to other processes. Peak memory is the child's peak
+resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``), shown whole and above the RSS after
+imports (both children import torch, transformers and olmoflow first). MFU is tokens/s x training
+FLOPs per token (:func:`train_flops_per_token`) over a matmul peak measured in the parent before,
+during and after the steps (the best), with the same thread count. The final CE loss row checks
+that both sides did the same work.
 
-Usage:  python benchmarks/train_speed.py [--steps 10] [--warmup 2] [--rounds 2] [--threads N]
+Usage:  python benchmarks/train_speed.py [--steps 20] [--warmup 2] [--threads N]
 
-The last line is ``ratio (ours/transformers) = X`` in training tokens/s (> 1: ours is faster).
+The last line is ``ratio (ours/transformers) = X`` in median-step training tokens/s (> 1: ours is
+faster).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,25 +69,32 @@ def loader(work: Path, args):
     return DataLoader(data, args.batch, seed=SEED)
 
 
-def child_ours(work: Path, args, total: int) -> dict:
+def ours_stepper(work: Path, args, total: int):
+    """Our ``Trainer`` (its ``train_step``: lr schedule, accumulation, clipping, fused AdamW) fed
+    by our ``DataLoader``, one global batch per call."""
     from olmoflow.config import TrainConfig
     from olmoflow.model.olmo import Olmo
-    from olmoflow.train.loggers import read_log
-    from olmoflow.train.trainer import METRICS, Trainer
+    from olmoflow.train.trainer import Trainer
 
     model = Olmo.from_pretrained(work / "hf", dtype=torch.float32)
     cfg = TrainConfig(sequence_length=args.seq, global_batch_size=args.batch,
                       micro_batch_size=args.micro_batch, max_steps=total, lr=LR,
                       warmup_steps=WARMUP_STEPS, save_interval=0, log_interval=1,
                       num_threads=args.threads)
-    out = Path(tempfile.mkdtemp(dir=work))
-    Trainer(model, cfg, loader(work, args), out, progress=False).fit()
-    log = read_log(out / METRICS)
-    t0, t1 = log[args.warmup - 1]["elapsed_s"], log[-1]["elapsed_s"]
-    return {"seconds": t1 - t0, "ce_loss": log[-1]["ce_loss"]}
+    data = loader(work, args)
+    trainer = Trainer(model, cfg, data, Path(tempfile.mkdtemp(dir=work)), progress=False)
+    model.train()
+
+    def step() -> float:
+        batch = data.next_batch()
+        return trainer.train_step(batch.input_ids, batch.labels, batch.doc_ids)["ce_loss"]
+
+    return step
 
 
-def child_transformers(work: Path, args, total: int) -> dict:
+def transformers_stepper(work: Path, args, total: int):
+    """The plain loop: ``Olmo3ForCausalLM(input_ids, labels).loss.backward()``, clip, AdamW,
+    LambdaLR, fed by the same ``DataLoader``."""
     import transformers
 
     from olmoflow.model.olmo import IGNORE_INDEX
@@ -99,10 +111,8 @@ def child_transformers(work: Path, args, total: int) -> dict:
         s, lr=LR, warmup_steps=WARMUP_STEPS, max_steps=total, min_lr_ratio=0.1,
         schedule="cosine") / LR)
     data = loader(work, args)
-    start = None
-    for step in range(total):
-        if step == args.warmup:
-            start = time.perf_counter()
+
+    def step() -> float:
         batch = data.next_batch()
         ids, labels = batch.input_ids, batch.labels
         n = int((labels != IGNORE_INDEX).sum())
@@ -117,41 +127,67 @@ def child_transformers(work: Path, args, total: int) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-    return {"seconds": time.perf_counter() - start, "ce_loss": ce}
+        return ce
+
+    return step
 
 
 def child(side: str, work: Path, args) -> None:
+    """Build one side, then run one training step per ``step`` line on stdin, answering with its
+    wall and CPU seconds; ``done`` answers with the peak RSS and exits."""
     torch.set_num_threads(args.threads)
-    import transformers  # noqa: F401  (both sides pay the same imports before the baseline)
+    import transformers  # (both sides pay the same imports before the RSS baseline)
 
     import olmoflow.train.trainer  # noqa: F401
 
     transformers.logging.set_verbosity_error()
     base = rss_gb()
-    total = args.warmup + args.steps
-    res = (child_ours if side == "ours" else child_transformers)(work, args, total)
-    res.update(tokens=args.steps * args.batch * args.seq, peak_rss_gb=peak_rss_gb(),
-               base_rss_gb=base)
-    print("RESULT " + json.dumps(res), flush=True)
+    step = (ours_stepper if side == "ours" else transformers_stepper)(
+        work, args, args.warmup + args.steps)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "done":
+            print(json.dumps({"peak_rss_gb": peak_rss_gb(), "base_rss_gb": base}), flush=True)
+            return
+        t, c = time.perf_counter(), time.process_time()
+        ce = step()
+        print(json.dumps({"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
+                          "ce_loss": ce}), flush=True)
 
 
-def run_child(side: str, work: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--work", str(work), "--threads",
-           str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--micro-batch", str(args.micro_batch), "--seq", str(args.seq)]
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        sys.exit(f"{side} child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(lines[-1][len("RESULT "):])
+class Child:
+    """One side in its own process, driven step by step over a pipe."""
+
+    def __init__(self, side: str, work: Path, args):
+        cmd = [sys.executable, __file__, "--child", side, "--work", str(work), "--threads",
+               str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch), "--micro-batch", str(args.micro_batch),
+               "--seq", str(args.seq)]
+        self.side = side
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self.ask(None)
+
+    def ask(self, command: str | None) -> dict:
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit(f"{self.side} child failed ({self.proc.wait()}):\n{self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def close(self) -> dict:
+        out = self.ask("done")
+        self.proc.wait()
+        return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side and round")
+    ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--batch", type=int, default=16, help="global batch (instances)")
     ap.add_argument("--micro-batch", type=int, default=16, help="micro-batch (instances)")
@@ -159,8 +195,8 @@ def main() -> None:
     ap.add_argument("--child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.warmup < 1:
-        ap.error("--warmup must be >= 1 (the first step pays one-time costs)")
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1 (the first step pays one-time costs)")
     if args.child:
         child(args.child, Path(args.work), args)
         return
@@ -172,6 +208,7 @@ def main() -> None:
     from olmoflow.train.metrics import matmul_peak, train_flops_per_token
 
     torch.set_num_threads(args.threads)
+    steps: dict[str, list[dict]] = {"ours": [], "transformers": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         torch.manual_seed(SEED)
@@ -183,46 +220,48 @@ def main() -> None:
         rng.integers(0, cfg.vocab_size, n_tokens, dtype=np.uint16).tofile(work / "tokens.npy")
         print(f"model: {model.num_params():,} parameters (d_model {cfg.d_model}, {cfg.n_layers} "
               f"layers, {cfg.n_heads} heads, window {cfg.sliding_window}); batch {args.batch}x"
-              f"{args.seq} (micro-batch {args.micro_batch}); {args.warmup}+{args.steps} steps x "
-              f"{args.rounds} rounds; torch {torch.__version__}, transformers "
-              f"{transformers.__version__}, {args.threads} threads", flush=True)
+              f"{args.seq} (micro-batch {args.micro_batch}); {args.warmup}+{args.steps} steps per "
+              f"side; torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{args.threads} threads", flush=True)
         del model
-        peak = matmul_peak("cpu", torch.float32, n=2048, repeats=5)
-        results: dict[str, list[dict]] = {"ours": [], "transformers": []}
-        for r in range(args.rounds):
-            for side in ("ours", "transformers"):
-                res = run_child(side, work, args)
-                results[side].append(res)
-                print(f"round {r + 1} {side:<12}: {res['tokens'] / res['seconds']:8.0f} tok/s, "
-                      f"peak RSS {res['peak_rss_gb']:.2f} GB, final CE {res['ce_loss']:.4f}",
-                      flush=True)
+        peaks = [matmul_peak("cpu", torch.float32, n=2048, repeats=5)]
+        children = {side: Child(side, work, args) for side in steps}
+        for i in range(args.warmup + args.steps):
+            order = ("ours", "transformers") if i % 2 == 0 else ("transformers", "ours")
+            for side in order:  # step by step, alternating who goes first
+                res = children[side].ask("step")
+                if i >= args.warmup:
+                    steps[side].append(res)
+            if i == args.warmup + args.steps // 2:
+                peaks.append(matmul_peak("cpu", torch.float32, n=2048, repeats=5))
+        memory = {side: c.close() for side, c in children.items()}
+        peaks.append(matmul_peak("cpu", torch.float32, n=2048, repeats=5))
 
-    fpt = train_flops_per_token(cfg, args.seq)
-
-    def most(side: str, key: str) -> float:
-        return max(r[key] for r in results[side])
-
-    tok_s = {s: max(r["tokens"] / r["seconds"] for r in results[s]) for s in results}
+    peak, fpt, tokens = max(peaks), train_flops_per_token(cfg, args.seq), args.batch * args.seq
+    best = {s: tokens / min(r["wall_s"] for r in steps[s]) for s in steps}
+    med = {s: tokens / statistics.median(r["wall_s"] for r in steps[s]) for s in steps}
+    cpu = {s: tokens / statistics.median(r["cpu_s"] for r in steps[s]) for s in steps}
     rows = [
-        ("train tokens/s (best round)", tok_s["ours"], tok_s["transformers"], ".0f"),
-        ("MFU (% of matmul peak)", 100 * tok_s["ours"] * fpt / peak,
-         100 * tok_s["transformers"] * fpt / peak, ".2f"),
-        ("peak RSS (GB, max over rounds)", most("ours", "peak_rss_gb"),
-         most("transformers", "peak_rss_gb"), ".3f"),
+        ("train tokens/s (median step)", med["ours"], med["transformers"], ".0f"),
+        ("train tokens/s (fastest step)", best["ours"], best["transformers"], ".0f"),
+        ("tokens per CPU-second (median)", cpu["ours"], cpu["transformers"], ".0f"),
+        ("MFU (% of matmul peak, median step)", 100 * med["ours"] * fpt / peak,
+         100 * med["transformers"] * fpt / peak, ".2f"),
+        ("peak RSS (GB)", memory["ours"]["peak_rss_gb"], memory["transformers"]["peak_rss_gb"], ".3f"),
         ("peak RSS above imports (GB)",
-         max(r["peak_rss_gb"] - r["base_rss_gb"] for r in results["ours"]),
-         max(r["peak_rss_gb"] - r["base_rss_gb"] for r in results["transformers"]), ".3f"),
-        ("final CE loss (last round)", results["ours"][-1]["ce_loss"],
-         results["transformers"][-1]["ce_loss"], ".4f"),
+         memory["ours"]["peak_rss_gb"] - memory["ours"]["base_rss_gb"],
+         memory["transformers"]["peak_rss_gb"] - memory["transformers"]["base_rss_gb"], ".3f"),
+        ("final CE loss", steps["ours"][-1]["ce_loss"], steps["transformers"][-1]["ce_loss"], ".4f"),
     ]
-    print(f"\nmatmul peak (fp32 2048^3 torch.mm, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s; "
-          f"train FLOPs/token {fpt / 1e6:.2f} M (6N + attention)\n")
+    print(f"\nmatmul peak (fp32 2048^3 torch.mm, {args.threads} threads, best of 3 x 5): "
+          f"{peak / 1e9:.1f} GFLOP/s; train FLOPs/token {fpt / 1e6:.2f} M (6N + attention); "
+          f"machine load average {os.getloadavg()[0]:.1f}\n")
     w = max(len(r[0]) for r in rows)
     print(f"| {'metric':<{w}} | {'ours':>10} | {'transformers':>12} | {'ratio':>6} |")
     print(f"|{'-' * (w + 2)}|{'-' * 12}|{'-' * 14}|{'-' * 8}|")
     for name, o, t, fmt in rows:
         print(f"| {name:<{w}} | {o:>10{fmt}} | {t:>12{fmt}} | {o / t:>6.2f} |")
-    print(f"\nratio (ours/transformers) = {tok_s['ours'] / tok_s['transformers']:.2f}")
+    print(f"\nratio (ours/transformers) = {med['ours'] / med['transformers']:.2f}")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("olmoflow: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `olmoflow data report DIR | head`: the reader left; say nothing more. Point stdout at
+        # devnull so the interpreter's final flush does not raise a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 

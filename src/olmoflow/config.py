@@ -140,6 +140,31 @@ class TrainConfig:
         self._check_engine()
         self._check_log()
         self._check_scale_out()
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Ranges of the loop and AdamW numbers; NaN and infinity are never valid."""
+        import math
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise OlmoflowError(f"train.{f.name} must be a finite number, got {v}")
+        for key in ("save_interval", "log_interval", "weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise OlmoflowError(f"train.{key} must be >= 0 (0: off), got {getattr(self, key)}")
+        if self.num_threads is not None and self.num_threads < 0:
+            raise OlmoflowError(f"train.num_threads must be >= 1 (or 0/null: one share of the "
+                                f"cores), got {self.num_threads}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise OlmoflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise OlmoflowError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.eps <= 0:
+            raise OlmoflowError(f"train.eps must be > 0, got {self.eps}")
+        if self.skip_step_window < 2:  # the spike test needs a mean and a std of >= 2 earlier steps
+            raise OlmoflowError(f"train.skip_step_window must be >= 2 steps, got {self.skip_step_window}")
 
     def _check_scale_out(self) -> None:
         """Scale-out and the micro-batch finder (issue 4.4, 4.5)."""
@@ -175,7 +200,7 @@ class TrainConfig:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.stage):
             raise OlmoflowError(f"train.stage '{self.stage}' must be letters, digits, '_', '.' or "
                                 "'-' (it names checkpoint directories, e.g. stage1)")
-        for key in ("keep_every", "keep_last", "activation_checkpointing", "skip_step_window"):
+        for key in ("keep_every", "keep_last", "activation_checkpointing"):
             if getattr(self, key) < 0:
                 raise OlmoflowError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.skip_step_sigma <= 0 or self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:

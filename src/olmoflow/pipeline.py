@@ -32,6 +32,11 @@ from olmoflow.train import distributed
 from olmoflow.train.checkpoint import has_checkpoint
 
 FINGERPRINT = ".fingerprint"
+# train.* keys that change how a run is kept, logged or scheduled on the machine, not the weights it
+# makes: changing one resumes an interrupted run (and leaves a complete one complete) instead of
+# deleting its checkpoints and training again from step 0.
+TRAIN_BOOKKEEPING = ("resume_from", "save_interval", "log_interval", "keep_every", "keep_last",
+                     "num_threads", "detailed_log_interval", "loggers")
 
 
 def _source_stamp(sources: list[str]) -> list[Any]:
@@ -48,8 +53,9 @@ def fingerprint(cfg: RunConfig, name: str) -> str:
     parts: dict[str, Any] = {"stage": name}
     for sec in stage.sections:
         parts[sec] = cfg.section(sec) if sec != "seed" else cfg.seed
-    if "train" in parts:  # where to resume from does not change what training makes
-        parts["train"].pop("resume_from", None)
+    if "train" in parts:
+        for key in TRAIN_BOOKKEEPING:
+            parts["train"].pop(key, None)
     for up in stage.upstream:
         m = read_manifest(stage_dir(cfg, up)) or {}
         parts[f"upstream:{up}"] = [m.get("fingerprint"), m.get("outputs")]
@@ -63,6 +69,8 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     """Run one stage unless it is complete. Returns ``(status, seconds, counts)``."""
     out = stage_dir(cfg, name)
     info = distributed.init_from_env()  # under torchrun; one process otherwise
+    if out.exists() and not out.is_dir():
+        raise OlmoflowError(f"'{out}' exists and is not a directory; the {name} stage writes there")
     fp = fingerprint(cfg, name)
     complete = not force and is_complete(out, fp)
     # An explicit resume_from continues the stage's checkpoints even under a changed config (e.g.

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -52,7 +55,7 @@ def run_trainer(folder, detailed: int, steps: int = 4, dropout: float = 0.0, **c
                                 log_interval=1, num_threads=1, detailed_log_interval=detailed),
                          **cfg_kw})
     torch.manual_seed(0)
-    model = Olmo(model_config(dropout=dropout))
+    model = Olmo(model_config(dropout=dropout, n_kv_heads=2))
     trainer = Trainer(model, cfg, DataLoader(data, cfg.global_batch_size, seed=3), folder,
                       progress=False)
     trainer.fit()
@@ -202,3 +205,39 @@ def test_detailed_log_interval_is_validated():
         TrainConfig(detailed_log_interval=-1)
     with pytest.raises(ValueError):
         TrainingMetrics(Olmo(model_config()), interval=0)
+
+
+DETAIL = ("grad_norm/", "param_norm/", "update_ratio/", "act_rms/", "attn_entropy/", "attn_max_prob/")
+
+
+@pytest.mark.slow
+def test_two_processes_log_what_one_logs(tmp_path):
+    """Under torchrun with 2 gloo processes, DDP and FSDP2 (sharded DTensor parameters) log the
+    single-process per-tensor norms, update ratios and probe statistics (rank 0 writes)."""
+    run_trainer(tmp_path / "single", detailed=1, steps=2)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", __file__, str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = read(tmp_path / "single")
+    for mode in ("ddp", "fsdp"):
+        lines = read(tmp_path / mode)
+        assert len(lines) == len(single) == 2
+        for ref, got in zip(single, lines):
+            keys = [k for k in ref if k.startswith(DETAIL)]
+            assert len(keys) > 150
+            for k in keys:
+                assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (mode, ref["step"], k)
+
+
+if __name__ == "__main__":  # the 2-process half of test_two_processes_log_what_one_logs
+    from pathlib import Path
+
+    from olmoflow.train import distributed
+
+    torch.set_num_threads(1)
+    distributed.init_from_env()
+    for mode in ("ddp", "fsdp"):
+        run_trainer(Path(sys.argv[1]) / mode, detailed=1, steps=2, data_parallel=mode)

@@ -55,7 +55,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                     help="labeled JSONL files, then training options for train_quality "
                     "(e.g. epoch=10)")
     tq.add_argument("--out", required=True, help="directory for the model and its report")
-    tq.set_defaults(tool=_train_quality)
+    # overrides: the CLI appends key=value options that come after --out here (argparse ends
+    # the FILE list at the first option).
+    tq.set_defaults(tool=_train_quality, overrides=[])
 
 
 def load_for_args(args: argparse.Namespace):
@@ -113,7 +115,8 @@ def _train_quality(args: argparse.Namespace) -> None:
     from olmoflow.data.engine import expand_paths
     from olmoflow.data.taggers.quality import train_quality
 
-    options = dict(parse_override(o) for o in args.labeled if "=" in o)
-    files = expand_paths([f for f in args.labeled if "=" not in f])
+    words = [*args.labeled, *args.overrides]
+    options = dict(parse_override(o) for o in words if "=" in o)
+    files = expand_paths([f for f in words if "=" not in f])
     result = train_quality(files, Path(args.out), **options)
     print(json.dumps({k: v for k, v in result.items() if k != "outputs"}, indent=2, default=str))

@@ -125,7 +125,8 @@ class DedupConfig:
             cfg = cls(**data)
         mh = cfg.minhash
         if mh is not None:
-            if not 0.0 < float(mh.threshold) <= 1.0:
+            if isinstance(mh.threshold, bool) or not isinstance(mh.threshold, int | float) \
+                    or not 0.0 < float(mh.threshold) <= 1.0:
                 raise OlmoflowError(f"{where}.minhash.threshold must be in (0, 1], got "
                                     f"{mh.threshold!r}")
             for k in ("ngram", "num_perm"):

@@ -47,6 +47,8 @@ DONE = ".done"
 STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attributes/dedup",
              "decontaminate": "attributes/decontam", "mix": "mixed", "tokenize": "tokens"}
 MAX_ERROR_EXAMPLES = 20
+#: Directories a step writes besides its own (the quality model, the trained tokenizer).
+SIDE_DIRS = {"tag": ("quality",), "tokenize": ("tokenizer",)}
 
 
 # ---- config ---------------------------------------------------------------------------------------
@@ -289,6 +291,8 @@ class Engine:
         if not self.force and is_complete(out, fp):
             return StepOutcome(step, True, 0.0, read_manifest(out)["counts"])
         started = now()
+        remove_temporaries(out, self.done_dir(step), self.root / "work" / step,
+                           *[self.root / d for d in SIDE_DIRS.get(step, ())])
         if self.force:  # the mixer keeps its own done-markers under DIR/work/mix
             import shutil
 
@@ -309,7 +313,18 @@ class Engine:
             if s not in STEPS:
                 raise unknown_name_error("step", s, STEPS)
         from olmoflow.artifacts import atomic_write_text
+        from olmoflow.data import steps as _steps
 
+        # Every section of the steps to run is checked before the first step starts: a typo in
+        # the mixer must not surface only after hours of tagging.
+        _steps.preflight(self, [s for s in STEPS if s in wanted])
+        if self.root.exists() and not self.root.is_dir():
+            raise OlmoflowError(f"output '{self.root}' is a file, not a directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OlmoflowError(f"cannot create output directory '{self.root}': "
+                                f"{e.strerror or e}") from None
         if self.cfg.executor == "ray":  # connect once, to the configured cluster if any
             from olmoflow.data.executor import ray_init
 
@@ -327,6 +342,20 @@ class Engine:
         return outcomes
 
 
+def remove_temporaries(*dirs: Path) -> int:
+    """Delete the hidden ``.<name>.<random>.tmp`` files that writers killed mid-write (kill -9, a
+    lost node) left in ``dirs``; return how many. Run before a step redoes its shards, when no
+    writer of this run directory is active."""
+    n = 0
+    for d in dirs:
+        if d.is_dir():
+            for p in d.rglob(".*.tmp"):
+                if p.is_file():
+                    p.unlink(missing_ok=True)
+                    n += 1
+    return n
+
+
 def step_stats(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest counts of a step: totals (:func:`sum_stats`), ``sources`` (the same per
     ``task["source"]``), ``shards``, and ``errors`` as a count (examples go in the manifest's
@@ -338,11 +367,21 @@ def step_stats(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> di
     total["sources"] = {}
     for s, rs in sorted(by_source.items()):
         st = sum_stats(rs)
-        st["errors"] = len(st.get("errors", []))
+        st["errors"] = error_count(rs)
         total["sources"][s] = st
     total["shards"] = len(results)
-    total["errors"] = len(total.get("errors", []))
+    total["errors"] = error_count(results)
     return total
+
+
+def error_count(results: list[dict[str, Any]]) -> int:
+    """Bad input lines the shards saw. A shard that reports ``error_counts`` (by kind) lists only
+    the first few examples in ``errors``, so its count comes from there, not from the list."""
+    n = 0
+    for r in results:
+        counts = r.get("error_counts")
+        n += sum(counts.values()) if isinstance(counts, dict) else len(r.get("errors") or [])
+    return n
 
 
 def error_examples(results: list[dict[str, Any]]) -> list[Any]:

@@ -221,8 +221,40 @@ def _pool(workers: int) -> cf.ProcessPoolExecutor:
     for old in _POOLS.values():
         old.shutdown(wait=False, cancel_futures=True)
     _POOLS.clear()
-    _POOLS[workers] = pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    _POOLS[workers] = pool = cf.ProcessPoolExecutor(
+        max_workers=workers, mp_context=ctx, initializer=exit_with_driver,
+        initargs=(os.getpid(),))
     return pool
+
+
+def exit_with_driver(driver_pid: int) -> None:
+    """Pool worker initializer: end this worker when the driver process ends.
+
+    A worker blocks on the pool's call queue, whose write end it holds itself, so when the driver
+    is killed (kill -9, the OOM killer) nothing would ever wake it: the workers and their
+    forkserver would stay, each holding its memory, until someone kills them by hand. A daemon
+    thread waits for the driver (a pidfd on Linux, else a poll every second) and exits.
+    """
+    import threading
+
+    def wait() -> None:
+        try:
+            import select
+
+            fd = os.pidfd_open(driver_pid)
+            select.select([fd], [], [])  # readable once the driver has exited
+        except (AttributeError, OSError):  # no pidfd (macOS, old kernels): poll
+            while True:
+                try:
+                    os.kill(driver_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="exit-with-driver", daemon=True).start()
 
 
 def shutdown_pools() -> None:

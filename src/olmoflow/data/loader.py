@@ -104,6 +104,7 @@ class InstanceDataset(_TokenStream):
     intra-document masking.
     """
 
+    packing = "concat"  # the train.packing that makes these instances
     cuts_labels_at_documents = False  # the stream's neighbours are the documents' own order
     packing_efficiency = 1.0  # no padding
 
@@ -161,6 +162,7 @@ class PackedDataset(_TokenStream):
         OlmoflowError: no document has two or more tokens.
     """
 
+    packing = "best_fit"
     cuts_labels_at_documents = True
     has_documents = True
 
@@ -305,16 +307,24 @@ class DataLoader:
         rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
         return rng.permutation(len(self.dataset))
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "instances": len(self.dataset)}
+                "instances": len(self.dataset), "packing": self.dataset.packing,
+                "sequence_length": self.dataset.sequence_length}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a saved position (a ``state_dict()`` or a ``Batch.state``).
 
         Raises:
-            OlmoflowError: the state was saved with another seed or over another number of instances.
+            OlmoflowError: the state was saved with another seed, train.packing,
+                train.sequence_length or over another number of instances.
         """
+        # Positions index instances: over other instances they would silently skip or repeat data.
+        for key in ("packing", "sequence_length"):
+            if key in state and state[key] != getattr(self.dataset, key):
+                raise OlmoflowError(f"the checkpoint was trained with train.{key}={state[key]}, this "
+                                    f"run has {getattr(self.dataset, key)}; resume with the same "
+                                    f"train.{key}")
         if int(state.get("seed", self.seed)) != self.seed:
             raise OlmoflowError(
                 f"the checkpoint's data order was drawn with seed {state['seed']}, this run has seed "

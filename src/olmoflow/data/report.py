@@ -147,6 +147,15 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
         out += ["", "Per source",
                 _table(["step", "source", "docs in", "docs out", "bytes in", "bytes out",
                         "tokens", "removed by rule"], src_rows)]
+    # Damaged and empty files remove no counted document (what a damaged file held past the
+    # damage is unknown), so they appear only here, with the file and line of each example.
+    bad_input = [(step, m["counts"].get("errors"), m.get("errors") or [])
+                 for step, m in manifests.items() if m["counts"].get("errors")]
+    if bad_input:
+        out += ["", "Bad input (skipped and counted; the first examples, file:line)"]
+        for step, n, examples in bad_input:
+            out.append(f"{step}: {n:,} in all")
+            out += [f"  {e}" for e in examples]
     bad = check_accounting(manifests)
     out += ["", "Accounting: every dropped document is explained by a rule" if not bad
             else "Accounting: NOT explained:\n  " + "\n  ".join(bad)]
@@ -178,7 +187,8 @@ def document_scores(root: str | Path) -> dict[str, dict[str, list[float]]]:
     """
     root = Path(root)
     kept_ids = None
-    if read_manifest(root / STEP_DIRS["mix"]) is not None:
+    mixed = read_manifest(root / STEP_DIRS["mix"]) is not None
+    if mixed:
         kept_ids = {d["id"] for p in _shards(root, "mix") for d in _read_jsonl_gz(p)}
     tag_shards = {p.relative_to(root / STEP_DIRS["tag"]).as_posix(): p
                   for p in _shards(root, "tag")}
@@ -186,9 +196,17 @@ def document_scores(root: str | Path) -> dict[str, dict[str, list[float]]]:
     for doc_path in _shards(root, "ingest"):
         rel = doc_path.relative_to(root / STEP_DIRS["ingest"]).as_posix()
         attrs = _read_jsonl_gz(tag_shards[rel]) if rel in tag_shards else None
+        # The mixer's line-aligned record says whether this very line was kept; ids alone would
+        # call both copies of a duplicated id kept when the mixer dropped one of them.
+        decision = root / "attributes" / "mixer" / rel
+        decisions = _read_jsonl_gz(decision) if mixed and decision.is_file() else None
         for doc in _read_jsonl_gz(doc_path):
             a = next(attrs)["attributes"] if attrs is not None else {}
-            side = "kept" if kept_ids is None or doc["id"] in kept_ids else "removed"
+            if decisions is not None:
+                kept = "dropped_by" not in next(decisions)
+            else:
+                kept = kept_ids is None or doc["id"] in kept_ids
+            side = "kept" if kept else "removed"
             out["length"][side].append(float(len(doc["text"])))
             q = sorted(k for k in a if k.startswith(QUALITY_PREFIX))
             if q and a[q[0]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import itertools
+import logging
 import os
 import re
 from collections import Counter
@@ -47,18 +48,25 @@ SUFFIXES = tuple(sorted(FORMATS))
 #: Keys an ingest task (or a source's ``options``) may set, besides the task's own keys.
 INGEST_OPTIONS = (*(f.name for f in dataclasses.fields(ReadOptions)), "max_shard_bytes")
 _TASK_KEYS = ("input", "name", "source", "output", "strict", "options")
+log = logging.getLogger(__name__)
 
 
 # --- planning -----------------------------------------------------------------------------------
 
 
 def _dir_files(directory: Path) -> list[Path]:
-    """Supported files under ``directory``, recursively, sorted; hidden files and dirs skipped."""
-    found = []
+    """Supported files under ``directory``, recursively, sorted; hidden files and dirs skipped.
+    Other files (a README, ``.json.bz2``) are skipped with a warning that names them, so data in
+    an unsupported format is never dropped without a word."""
+    found, other = [], []
     for p in directory.rglob("*"):
         rel = p.relative_to(directory)
-        if p.is_file() and file_format(p) and not any(s.startswith(".") for s in rel.parts):
-            found.append(p)
+        if p.is_file() and not any(s.startswith(".") for s in rel.parts):
+            (found if file_format(p) else other).append(p)
+    if other and found:  # with no supported file at all, _expand raises instead
+        names = sorted(p.relative_to(directory).as_posix() for p in other)
+        log.warning("%s: skipped %d file(s) of an unsupported type: %s%s", directory, len(names),
+                    ", ".join(names[:5]), ", ..." if len(names) > 5 else "")
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
@@ -82,11 +90,17 @@ def _expand(entry: str) -> list[tuple[Path, Path]]:
         if not matches:
             raise OlmoflowError(f"no such file or directory: '{entry}'")
         root = _absolute(os.path.dirname(text[: wild[0]]) or ".")
-        files = []
+        files, other = [], []
         for m in map(_absolute, matches):
-            files += _dir_files(m) if m.is_dir() else [m] if m.is_file() and file_format(m) else []
+            if m.is_dir():
+                files += _dir_files(m)
+            elif m.is_file():
+                (files if file_format(m) else other).append(m)
         if not files:
             raise OlmoflowError(f"no {kinds} files match '{entry}'")
+        if other:
+            log.warning("%s: skipped %d file(s) of an unsupported type: %s%s", entry, len(other),
+                        ", ".join(m.name for m in other[:5]), ", ..." if len(other) > 5 else "")
         return [(f, root) for f in files]
     path = _absolute(text)
     if path.is_dir():

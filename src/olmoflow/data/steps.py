@@ -16,7 +16,7 @@ from olmoflow.artifacts import StageResult, read_manifest
 from olmoflow.data.engine import (
     STEP_DIRS, Engine, error_examples, expand_paths, relative_shards, step_stats,
 )
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, unknown_name_error
 
 #: The steps whose outputs (and so fingerprints) a step depends on.
 UPSTREAM = {
@@ -57,6 +57,58 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
             t["tokenizer_files"] = _stamps([cfg.tokenize.tokenizer])
         return t
     raise KeyError(step)
+
+
+def preflight(engine: Engine, steps: list[str]) -> None:
+    """Check the config sections of ``steps`` before any step runs: tagger names (plugins
+    imported), the ``dedup``, ``decontamination`` and ``mixer`` sections, mixer weights
+    naming configured sources. Attribute names in mixer rules are checked by the mixer itself,
+    once the attribute files exist.
+
+    Raises:
+        OlmoflowError: the first problem found (the key and the closest valid name).
+    """
+    cfg = engine.cfg
+    if "ingest" in steps and not cfg.sources:
+        raise OlmoflowError("the config has no 'sources' to ingest")
+    if "tag" in steps and not cfg.taggers:
+        raise OlmoflowError("the config lists no 'taggers'")
+    if "tag" in steps:
+        from olmoflow.data.taggers import _tagger_specs, tagger_names
+
+        import_plugins([str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins])
+        known = tagger_names()
+        for name, _ in _tagger_specs(cfg.taggers):  # options are checked as the tag step starts
+            if name not in known:
+                raise unknown_name_error("tagger", name, known)
+        if cfg.quality.labeled:
+            expand_paths(cfg.quality.labeled)
+        if cfg.quality.model and not Path(cfg.quality.model).exists():
+            raise OlmoflowError(f"quality.model: no such file or directory '{cfg.quality.model}'")
+    if "dedup" in steps:
+        from olmoflow.data.dedup import DedupConfig
+
+        DedupConfig.from_dict(cfg.dedup)
+    if "decontaminate" in steps:
+        from olmoflow.data.decontam import DecontamConfig
+
+        DecontamConfig.from_dict(cfg.decontamination, where="decontamination")
+    if "mix" in steps:
+        from olmoflow.data.mixer import MixConfig
+
+        mix = MixConfig.from_dict(cfg.mixer, where="mixer")
+        names = [s.name for s in cfg.sources]
+        for src in mix.weights:
+            if names and src not in names:
+                raise OlmoflowError(f"mixer.weights: {unknown_name_error('source', src, names)}")
+    if "tokenize" in steps:
+        from olmoflow.data.tokenize_shards import DTYPES
+
+        t = cfg.tokenize
+        if t.dtype not in DTYPES:
+            raise unknown_name_error("tokenize.dtype", t.dtype, DTYPES)
+        if t.tokenizer and not Path(t.tokenizer).is_dir():
+            raise OlmoflowError(f"tokenize.tokenizer: no such directory '{t.tokenizer}'")
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
@@ -125,7 +177,23 @@ def run_ingest(engine: Engine):
         if p.relative_to(out).as_posix() not in keep:
             p.unlink()
     inputs = [Path(t["input"]) for t in tasks if Path(t["input"]).is_file()]
+    if not any(r.get("documents_out") for r in results):
+        raise OlmoflowError(_no_documents(tasks, results))
     return _finish(engine, "ingest", tasks, results, shards, inputs)
+
+
+def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> str:
+    """Why ingest kept nothing: the bad input by kind and the first example, so that a wrong
+    ``text_field`` or a folder of empty files is named now rather than as a puzzle in a later step."""
+    kinds: dict[str, int] = {}
+    for r in results:
+        for k, n in (r.get("error_counts") or {}).items():
+            kinds[k] = kinds.get(k, 0) + n
+    first = next((e for r in results for e in r.get("errors") or []), None)
+    what = ", ".join(f"{k} {n:,}" for k, n in sorted(kinds.items())) or "no records"
+    return (f"ingest read no usable document from {len(tasks)} input file(s) ({what})"
+            + (f"; first: {first}" if first else "")
+            + "; check the source paths and options such as text_field")
 
 
 # ---- tag ---------------------------------------------------------------------------------------------

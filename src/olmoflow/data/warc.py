@@ -79,7 +79,7 @@ def read_warc(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, 
                 doc = _warc_document(rec, n, inp, opts, rl)
                 if doc is not None:
                     yield doc
-    except _damage_errors() as e:
+    except (*_damage_errors(), OSError) as e:  # FastWARC: OSError("Invalid WARC header")
         rl.bad("damaged_file", f"{path}:{at}",
                f"damaged WARC/{_damage_kind(path)} data ({_first_line(e)}); kept the records before it",
                documents=0)

@@ -193,6 +193,22 @@ def _update_index(save_folder: Path, row: dict[str, Any], pruned: list[str]) -> 
     atomic_write_text(Path(save_folder) / INDEX, buf.getvalue())
 
 
+def check_save_folder(save_folder: Path, *files: str) -> None:
+    """Fail before training, not at the first save, when ``save_folder`` or one of the files a run
+    writes there (``latest``, ``checkpoints.csv`` and ``files``) exists but is not what it must be.
+
+    Raises:
+        OlmoflowError: naming the path.
+    """
+    save_folder = Path(save_folder)
+    if save_folder.exists() and not save_folder.is_dir():
+        raise OlmoflowError(f"checkpoint folder '{save_folder}' exists and is not a directory")
+    for name in (LATEST, INDEX, *files):
+        if (save_folder / name).is_dir():
+            raise OlmoflowError(f"'{save_folder / name}' is a directory, where the run writes a file; "
+                                "move it away")
+
+
 def has_checkpoint(save_folder: Path) -> bool:
     """Whether ``resume_from="latest"`` would find a complete checkpoint in ``save_folder``."""
     try:
@@ -233,31 +249,78 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     if step is not None and str(p) == p.name and same_step:
         return same_step[-1]
     names = [c.name for c in list_checkpoints(save_folder)]
-    raise OlmoflowError(f"no checkpoint at '{resume_from}' (expected 'latest', a checkpoint "
+    if len(names) > 8:  # one readable line even after thousands of saves
+        names = names[:3] + [f"... ({len(names) - 6} more)"] + names[-3:]
+    pruned = [r["name"] for r in read_index(save_folder) if r.get("status") == "pruned"
+              and (r["name"] == p.name or (str(p) == p.name and r.get("step") == str(step)))]
+    why = (f"'{pruned[-1]}' was pruned (train.keep_last/keep_every, see {INDEX}); " if pruned else "")
+    raise OlmoflowError(f"no checkpoint at '{resume_from}' ({why}expected 'latest', a checkpoint "
                         f"directory or stepN; '{save_folder}' has: {', '.join(names) or 'none'})")
 
 
+def _unreadable(path: Path, what: str, e: BaseException) -> OlmoflowError:
+    """The one-line error for a checkpoint that exists but cannot be loaded, naming the others."""
+    path = Path(path)
+    others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
+    detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    hint = (f"resume from another one, e.g. resume_from={others[-1]}" if others
+            else "no other checkpoint is left to resume from")
+    return OlmoflowError(f"checkpoint '{path}' cannot be read ({what}: {detail}); it is damaged or "
+                         f"was saved for another model or train.optimizer; {hint}")
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path`` (``trainer_state.pt``).
+
+    Raises:
+        OlmoflowError: the file is missing, truncated or not a trainer state.
+    """
+    try:
+        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+        if not isinstance(state, dict) or "step" not in state or "tokens_seen" not in state:
+            raise ValueError("no step / tokens_seen in it")
+        return state
+    except Exception as e:  # torch.load raises many kinds on a damaged file
+        raise _unreadable(path, TRAINER_STATE, e) from None
+
+
+def _dcp_load(path: Path, state: dict[str, Any], set_state) -> None:
+    """``dcp.load`` into ``state`` then ``set_state(state)``; a damaged or mismatched checkpoint
+    (missing shard or metadata, truncated file, other shapes or names) is one OlmoflowError."""
+    try:
+        dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
+        set_state(state)
+    except Exception as e:  # dcp wraps per-rank failures in several exception types
+        raise _unreadable(path, "model_and_optim", e) from None
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states from ``path``; return the trainer state."""
+    """Restore model, optimizer and RNG states from ``path``; return the trainer state.
+
+    Raises:
+        OlmoflowError: the checkpoint is damaged or holds another model's or optimizer's state.
+    """
+    trainer_state = read_trainer_state(path)  # before any tensor changes: a bad file changes none
     optimizers = _optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    _dcp_load(path, {"model": model_state, "optim": optim_state},
+              lambda st: set_state_dict(model, optimizers, model_state_dict=st["model"],
+                                        optim_state_dict=st["optim"]))
     set_rng_state(trainer_state.pop("rng"))
     return trainer_state
 
 
 def load_model(path: Path, model: torch.nn.Module) -> None:
-    """Restore only the model weights from a checkpoint directory (evaluation, export, release)."""
-    model_state = get_model_state_dict(model)
-    state = {"model": model_state}
-    dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
-    set_model_state_dict(model, state["model"])
+    """Restore only the model weights from a checkpoint directory (evaluation, export, release).
+
+    Raises:
+        OlmoflowError: the checkpoint is damaged or holds another model's weights.
+    """
+    _dcp_load(path, {"model": get_model_state_dict(model)},
+              lambda st: set_model_state_dict(model, st["model"]))
 
 
 def step_and_tokens(path: Path) -> tuple[int, int]:
     """``(step, tokens_seen)`` stored in a checkpoint directory's trainer state."""
-    state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    state = read_trainer_state(path)
     return int(state["step"]), int(state["tokens_seen"])

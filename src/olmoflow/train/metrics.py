@@ -5,36 +5,34 @@ optimizer step (``start_step`` before the first micro-batch, ``after_backward`` 
 backward and before gradient clipping, ``end_step`` after the optimizer step) and returns one flat
 dict whose keys name the quantity and where it was measured:
 
-=====================================  ==================================================================
-``grad_norm/<param>``                  L2 norm of the accumulated gradient of one parameter tensor,
-                                       before clipping (the gradient of the whole global batch)
-``grad_norm/layer.<i>``                the same over every tensor of block ``i`` together
-``param_norm/<param>``, ``/layer.<i>`` L2 norm of the weights before the optimizer step
-``update_ratio/<param>``, ``/layer.<i>`` ``||w_after - w_before|| / ||w_before||`` across the optimizer
-                                       step (Karpathy's "update:data ratio"; ~1e-3 is healthy for Adam)
-``act_rms/embeddings``, ``/layer.<i>`` root mean square of the residual stream after the embedding and
-                                       after block ``i``, on the probe micro-batch
-``attn_entropy/layer.<i>.head.<h>``    mean Shannon entropy (nats) of a query's attention distribution
-``attn_entropy_norm/...head.<h>``      the same divided by ``ln(keys the query may see)``: 0 = all mass
-                                       on one key, 1 = uniform over the visible keys (queries that see
-                                       at least 2 keys)
-``attn_max_prob/layer.<i>.head.<h>``   mean over queries of the largest attention probability (activity:
-                                       near 1 = a sharp, "active" head; near 1/keys = diffuse)
-``attn_uniform_frac/layer.<i>``        fraction of the layer's heads whose mean normalised entropy is
-                                       >= :data:`UNIFORM_ENTROPY` (near-uniform, i.e. idle heads);
-                                       ``attn_uniform_frac`` over all heads
-``perf/tokens_per_s``, ``perf/step_s`` this step's tokens over its time, excluding the collector's own
-``perf/mfu``                           model FLOPs utilisation: ``tokens_per_s * flops_per_token / peak``
-``perf/flops_per_token``               ``6 N + 12 * sum_layers(n_heads * head_dim * ctx)`` (PaLM app. B;
-                                       nanoGPT ``estimate_mfu``); N without the input embedding
-``perf/peak_flops``                    matmul FLOP/s measured once on this device (:func:`matmul_peak`)
-``perf/collector_s``                   seconds this collector added to the step (its overhead)
-``sys/rss_gb``, ``sys/peak_rss_gb``    resident memory of this process now / at its peak (GB = 1e9 B)
-``sys/cpu_percent``                    this process's CPU use since the last detailed step (100 = one core)
-``sys/cpu_system_percent``             the whole machine's CPU use over the same time (100 = all cores)
-``sys/cuda_allocated_gb``, ``_peak_gb`` CUDA memory held by tensors now / at its peak (CUDA only)
-``sys/gpu_util_percent``               GPU busy percentage from NVML (CUDA with ``pynvml`` only)
-=====================================  ==================================================================
+- ``grad_norm/<param>``: L2 norm of one parameter tensor's accumulated gradient, before clipping
+  (the gradient of the whole global batch); ``grad_norm/layer.<i>``: over all of block ``i``'s
+  tensors together (root-sum-square).
+- ``param_norm/<param>``, ``param_norm/layer.<i>``: L2 norm of the weights before the step.
+- ``update_ratio/<param>``, ``update_ratio/layer.<i>``: ``||w_after - w_before|| / ||w_before||``
+  across the optimizer step (Karpathy's "update:data ratio"; around 1e-3 is usual for Adam).
+- ``act_rms/embeddings``, ``act_rms/layer.<i>``: root mean square of the residual stream after the
+  embedding and after block ``i``, on the probe micro-batch.
+- ``attn_entropy/layer.<i>.head.<h>``: mean Shannon entropy (nats) of a query's attention.
+- ``attn_entropy_norm/layer.<i>.head.<h>``: the same divided by ``ln(keys the query may see)``:
+  0 = all mass on one key, 1 = uniform over the visible keys (queries that see >= 2 keys).
+- ``attn_max_prob/layer.<i>.head.<h>``: mean over queries of the largest attention probability
+  (activity: near 1 = a sharp head; near 1/keys = a diffuse one).
+- ``attn_uniform_frac/layer.<i>``: fraction of the layer's heads whose mean normalised entropy is
+  >= :data:`UNIFORM_ENTROPY` (near-uniform, idle heads); ``attn_uniform_frac``: over all heads.
+- ``perf/step_s``, ``perf/tokens_per_s``: this step's time and tokens/s without the collector's
+  own time; ``perf/mfu``: ``tokens_per_s * flops_per_token / peak_flops``;
+  ``perf/flops_per_token``: :func:`train_flops_per_token`; ``perf/peak_flops``: a matmul measured
+  once on this device (:func:`matmul_peak`); ``perf/collector_s``: the seconds this collector
+  added to the step.
+- ``sys/rss_gb``, ``sys/peak_rss_gb``: this process's resident memory now and at its peak
+  (GB = 1e9 bytes); ``sys/cpu_percent``: its CPU use since the previous detailed step (100 = one
+  core); ``sys/cpu_system_percent``: the machine's over the same time (100 = all cores);
+  ``sys/cuda_allocated_gb``, ``sys/cuda_peak_gb``: CUDA memory held by tensors now and at peak;
+  ``sys/gpu_util_percent``: GPU busy percentage (needs NVML, ``pynvml``).
+
+The trainer's own keys (``loss``, ``ce_loss``, ``z_loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``data_wait_s``, ...) are on every logged line, detailed or not.
 
 The attention statistics and activation RMS come from a *probe*: a no-grad, eval-mode (no dropout)
 forward over the first ``probe_rows`` rows and ``probe_tokens`` positions of the step's batch, with

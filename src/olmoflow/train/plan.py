@@ -273,8 +273,8 @@ def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0) -> str:
 
     if gpus < 1:
         raise OlmoflowError(f"--gpus must be >= 1, got {gpus}")
-    if not gpu_memory_gb > 0:
-        raise OlmoflowError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
+    if not 0 < gpu_memory_gb < float("inf"):
+        raise OlmoflowError(f"--gpu-memory-gb must be a number of GB > 0, got {gpu_memory_gb}")
     mc = run_cfg.model if run_cfg.model.vocab_size > 0 else replace(run_cfg.model,
                                                                     vocab_size=OLMO_VOCAB_SIZE)
     t = run_cfg.train

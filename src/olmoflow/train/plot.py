@@ -5,7 +5,8 @@ log holds:
 
 - ``loss.png``: loss and cross-entropy, and z-loss below;
 - ``lr.png``: the learning rate;
-- ``grad_norm.png``: the global gradient norm (before clipping) and, on detailed steps, each layer's;
+- ``grad_norm.png``: the global gradient norm (before clipping) and, on detailed steps, each layer's
+  (up to 8 layers; deeper models: see the heatmap);
 - ``throughput.png``: tokens/s, model FLOPs utilisation and the time spent waiting for data;
 - ``system.png``: resident and CUDA memory, CPU/GPU use;
 - ``heatmap_grad_norm.png``, ``heatmap_update_ratio.png``, ``heatmap_act_rms.png``,
@@ -150,6 +151,8 @@ def figures(records: list[dict[str, Any]], title: str = "") -> dict[str, Figure]
     fig, axes = new("grad_norm")
     layers = sorted({k for r in records for k in r if re.fullmatch(r"grad_norm/layer\.\d+", k)},
                     key=lambda k: int(k.rsplit(".", 1)[1]))
+    if len(layers) > 8:  # a line per layer stops being readable; heatmap_grad_norm.png shows them
+        layers = []
     if not _lines(axes[0], records, ["grad_norm"] + layers, "gradient norm (before clipping)", log=True):
         del out["grad_norm.png"]
     axes[-1].set_xlabel("step")

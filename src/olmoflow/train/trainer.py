@@ -24,7 +24,14 @@ from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.train import distributed
-from olmoflow.train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from olmoflow.train.checkpoint import (
+    LATEST,
+    check_save_folder,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from olmoflow.train.loggers import MetricWriters, open_writers
 from olmoflow.train.metrics import TrainingMetrics
 from olmoflow.train.optim import SkipStepAdamW, build_optimizer, set_lr
@@ -75,6 +82,7 @@ class Trainer:
         self.metrics = (TrainingMetrics(model, cfg.detailed_log_interval, peak_dtype=autocast_dtype(
             cfg.precision, next(model.parameters()).device)) if cfg.detailed_log_interval else None)
         self.data_state: dict | None = None  # Batch.state of the last batch trained on
+        self.saved: tuple[int, Path] | None = None  # (step, dir) of the last checkpoint saved or loaded
         inner = getattr(model, "module", model)  # a DDP wrapper holds the model as .module
         if cfg.activation_checkpointing:
             if not hasattr(inner, "activation_checkpointing"):
@@ -107,9 +115,25 @@ class Trainer:
 
     def save(self) -> Path:
         c = self.cfg
-        return save_checkpoint(self.save_folder, self.step, self.model, self.optimizer,
+        path = save_checkpoint(self.save_folder, self.step, self.model, self.optimizer,
                                self.state(), self.config_yaml, stage=c.stage, loss=self.last_loss,
                                keep_every=c.keep_every, keep_last=c.keep_last)
+        self.saved = (self.step, path)
+        return path
+
+    def _final_checkpoint(self) -> Path:
+        """Save the end of the run, unless ``latest`` already is this very step (a stop right
+        after a periodic save, or a resume at ``max_steps``): saving it again would delete the
+        complete checkpoint before its copy is renamed in."""
+        reuse = False
+        if self.saved is not None and self.saved[0] == self.step and self.dist.is_main:
+            path, pointer = self.saved[1], self.save_folder / LATEST
+            reuse = (path.parent.resolve() == self.save_folder.resolve() and pointer.is_file()
+                     and pointer.read_text().strip() == path.name)
+        # Rank 0 decides for all: save_checkpoint is collective.
+        if distributed.broadcast_object(reuse) and self.saved is not None:
+            return self.saved[1]
+        return self.save()
 
     def resume(self, resume_from: str) -> Path:
         """Restore model, optimizer, RNG, step, data position and skip-step history; trim the
@@ -119,8 +143,7 @@ class Trainer:
             OlmoflowError: no such checkpoint, or it was saved with another ``train.optimizer``.
         """
         path = resolve_checkpoint(self.save_folder, resume_from)
-        saved_optimizer = (torch.load(path / "trainer_state.pt", weights_only=False)
-                           .get("optimizer", {}).get("name", "adamw"))
+        saved_optimizer = read_trainer_state(path).get("optimizer", {}).get("name", "adamw")
         adam_family = {"adamw", "skip_step_adamw"}  # the same state: switching between them is fine
         if saved_optimizer != self.cfg.optimizer and {saved_optimizer, self.cfg.optimizer} - adam_family:
             raise OlmoflowError(f"checkpoint '{path}' was trained with train.optimizer="
@@ -133,7 +156,8 @@ class Trainer:
         if history is not None and isinstance(self.optimizer, SkipStepAdamW):
             self.optimizer.load_history_state(history)
         saved = {k: v for k, v in state.get("scheduler", {}).items() if k != "step"}
-        if saved and saved != self._schedule_state():
+        self.saved = (self.step, path)
+        if saved and saved != self._schedule_state() and self.dist.is_main:
             log.warning("resuming %s with a changed lr schedule: %s -> %s", path.name, saved,
                         self._schedule_state())
         metrics = self.save_folder / METRICS
@@ -206,6 +230,7 @@ class Trainer:
         cfg = self.cfg
         threads = torch.get_num_threads()
         # Processes on one node share its cores.
+        check_save_folder(self.save_folder, METRICS)  # fail now, not at the first save
         torch.set_num_threads(cfg.num_threads
                               or max(1, (os.cpu_count() or 1) // self.dist.local_world_size))
         if cfg.resume_from:
@@ -251,7 +276,7 @@ class Trainer:
             _install_sigint(previous)
             bar.close()
             log_file.close()
-        final = self.save()
+        final = self._final_checkpoint()
         if stop:
             print(f"\ninterrupted at step {self.step}: saved {final}; run the same command again "
                   "(or add resume_from=latest) to resume", flush=True)

@@ -163,7 +163,8 @@ def _read_lines(path: Path, errors: list[str], strict: bool):
             for n, raw in enumerate(f, 1):
                 yield n, raw
     except (EOFError, OSError, zlib.error) as e:
-        msg = f"{path}:{n + 1}: damaged file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = f"{path}:{n + 1}: damaged file ({why})"
         if strict:
             raise OlmoflowError(msg) from None
         log.warning(msg)
@@ -180,8 +181,9 @@ def tag_shard(task: dict[str, Any]) -> dict[str, Any]:
     The output has one line per non-blank line of the documents file (blank lines are skipped, as
     every documents reader does), ``{"id", "attributes"}``; a line that is not a usable document
     gets ``{"id": null, "attributes": {}}`` so alignment holds, and is counted in ``errors`` with
-    its file and line. A damaged gzip stream ends the shard there (counted too). The file is written atomically and
-    deterministically (gzip mtime 0), so reruns and any number of workers give identical bytes.
+    its file and line. A damaged gzip stream ends the shard there (counted too). The file is
+    written atomically and deterministically (gzip mtime 0), so reruns and any number of workers
+    give identical bytes.
 
     Returns the executor's stats: ``documents_in``, ``documents_out`` (attribute lines written),
     ``bytes_in`` (UTF-8 bytes of text), ``errors``, ``outputs``, plus ``seconds`` per tagger.

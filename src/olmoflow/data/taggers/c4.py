@@ -117,6 +117,7 @@ class C4Tagger(Tagger):
         values, fails, spans = c4_measure(text, self.options)
         end = len(text)
         attrs = {self.attr(k): [[0, end, v]] for k, v in values.items()}
-        attrs.update((self.attr(f"fail_{k}"), [[0, end, 1.0 if f else 0.0]]) for k, f in fails.items())
+        for k, failed in fails.items():
+            attrs[self.attr(f"fail_{k}")] = [[0, end, 1.0 if failed else 0.0]]
         attrs[self.attr("line_removed")] = spans
         return attrs

@@ -32,7 +32,7 @@ from typing import Any
 
 from olmoflow.artifacts import atomic_path, atomic_write_json, sha256_file
 from olmoflow.data.taggers import Spans, Tagger, register_tagger
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, unknown_name_error
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ def train_quality(
     """
     for key in hyper:
         if key not in TRAIN_DEFAULTS:
-            from olmoflow.errors import unknown_name_error
             raise unknown_name_error("quality training option", key, TRAIN_DEFAULTS)
     if not 0.0 < heldout_fraction < 1.0:
         raise OlmoflowError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
@@ -208,8 +207,10 @@ def _train_subprocess(
             wordNgrams=params["word_ngrams"], dim=params["dim"], bucket=params["bucket"],
             minCount=params["min_count"], thread=1, seed=seed, verbose=0,
         )
-    except RuntimeError as e:  # "Encountered NaN": the learning rate is too high for the data
-        raise OlmoflowError(f"fastText training failed ({e}); try a lower lr") from None
+    except RuntimeError as e:  # "Encountered NaN": diverged (seen here with dim 8 or 16)
+        raise OlmoflowError(
+            f"fastText training failed ({e}); try dim 32 or more, or a lower lr"
+        ) from None
     model.save_model(model_path)
     return [_p1(model, t) for t in heldout]
 
@@ -240,13 +241,16 @@ class QualityTagger(Tagger):
         path = self.options["model"]
         if not path:
             raise OlmoflowError(
-                "tagger 'quality' needs option 'model' (a quality.bin from olmoflow data train-quality)"
+                "tagger 'quality' needs option 'model' "
+                "(a quality.bin from olmoflow data train-quality)"
             )
         path = Path(path)
         if path.is_dir():
             path = path / MODEL_FILE
         if not path.is_file():
-            raise OlmoflowError(f"no such quality model: '{path}' (run olmoflow data train-quality)")
+            raise OlmoflowError(
+                f"no such quality model: '{path}' (run olmoflow data train-quality)"
+            )
         self.model = _load(str(path), path.stat().st_mtime_ns)
 
     def score(self, text: str) -> float:
