@@ -25,6 +25,15 @@ from typing import IO, Any
 MANIFEST = "manifest.json"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``.
@@ -38,6 +47,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        # mkstemp makes the file 0600; give the final file the mode a plain open() would have.
+        if os.path.exists(tmp):
+            os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -290,7 +291,7 @@ def _dcp_load(path: Path, state: dict[str, Any], set_state) -> None:
     try:
         dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
         set_state(state)
-    except Exception as e:  # dcp wraps per-rank failures in several exception types
+    except (Exception, CheckpointException) as e:  # dcp's wrapper is a BaseException
         raise _unreadable(path, "model_and_optim", e) from None
 
 
