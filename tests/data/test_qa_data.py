@@ -217,3 +217,60 @@ def test_histograms_follow_the_mixer_decision_per_line_not_per_id(tmp_path):
     Engine(cfg).run()
     lengths = document_scores(tmp_path / "run")["length"]
     assert (len(lengths["kept"]), len(lengths["removed"])) == (1, 1)
+
+
+def digests(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def test_removing_a_source_gives_the_bytes_of_a_fresh_run(tmp_path):
+    # Dropping a source from the config and rerunning left its shards in mixed/ and tokens/ (a
+    # glob over tokens/ still trained on them), and kept the other shards' token arrays from
+    # the BPE trained before (their done-markers named the tokenizer by path only), while
+    # tokenizer/ and meta.json described the retrained one.
+    src = tmp_path / "in"
+    src.mkdir()
+    words = {"a": "river stone water bank fish reed mud", "b": "star orbit comet moon dust sky"}
+    for name, vocab in words.items():
+        rows = [{"text": " ".join(vocab.split()[i:] + vocab.split()[:i]) * 3} for i in range(7)]
+        jsonl(src / f"{name}.jsonl", rows)
+    body = ("executor: serial\nsteps: [ingest, mix, tokenize]\ntokenize: {vocab_size: 300, "
+            "min_frequency: 1}\nsources:\n  - {name: a, paths: [%s]}\n" % (src / "a.jsonl"))
+    both = body + "  - {name: b, paths: [%s]}\n" % (src / "b.jsonl")
+    (tmp_path / "both.yaml").write_text(both)
+    (tmp_path / "one.yaml").write_text(body)
+    run, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    Engine(load_data_config(tmp_path / "both.yaml", [f"output={run}"])).run()
+    assert (tmp_path / "run" / "tokens" / "b").is_dir()
+    Engine(load_data_config(tmp_path / "one.yaml", [f"output={run}"])).run()
+    Engine(load_data_config(tmp_path / "one.yaml", [f"output={fresh}"])).run()
+    for d in ("documents", "mixed", "tokens", "tokenizer"):
+        assert digests(tmp_path / "run" / d) == digests(tmp_path / "fresh" / d), d
+
+
+def test_editing_a_plugin_tagger_retags_every_shard(tmp_path):
+    # The tag step reran after a plugin file changed (its fingerprint holds the file's stamp),
+    # but every shard was skipped by its done-marker, which named the plugin by path only: the
+    # attributes kept the old code's scores.
+    plugin = tmp_path / "mine.py"
+    code = ("from olmoflow.data.taggers import Tagger, register_tagger\n\n"
+            "@register_tagger('mine')\nclass Mine(Tagger):\n    def tag(self, doc):\n"
+            "        return {self.attr('score'): [[0, len(doc['text']), %s]]}\n")
+    cfg = config(tmp_path, steps="[ingest, tag]",
+                 extra=f"plugins: [{plugin}]\n").read_text().replace("[pii]", "[mine]")
+    (tmp_path / "data.yaml").write_text(cfg)
+    cli = [sys.executable, "-c", "import sys; from olmoflow.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "data", "run", str(tmp_path / "data.yaml"),
+           "--no-progress"]
+    scores = []
+    for value in (1.0, 2.0):
+        plugin.write_text(code % value)
+        subprocess.run(cli, check=True, capture_output=True)
+        from olmoflow.data.taggers import read_attributes
+
+        rows = read_attributes(next((tmp_path / "run" / "attributes" / "tags").rglob("*.gz")))
+        scores.append({r["attributes"]["mine__score"][0][2] for r in rows})
+    assert scores == [{1.0}, {2.0}]

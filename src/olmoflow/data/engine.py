@@ -299,6 +299,7 @@ class Engine:
             shutil.rmtree(self.done_dir(step), ignore_errors=True)
             shutil.rmtree(self.root / "work" / step / "done", ignore_errors=True)
         result, extra = _steps.RUNNERS[step](self)
+        remove_stale(out, result.outputs)
         write_manifest(out, stage=f"data {step}", command=f"olmoflow data {step}",
                        config=_steps.step_config(self, step), fingerprint=fp,
                        inputs=result.inputs, outputs=result.outputs, counts=result.counts,
@@ -340,6 +341,26 @@ class Engine:
                 if on_step is not None:
                     on_step(o)
         return outcomes
+
+
+#: The data files a step writes into its directory (anything else there is left alone).
+DATA_SUFFIXES = (".jsonl.gz", ".npy", ".csv.gz")
+
+
+def remove_stale(step_dir: Path, outputs: list[Path]) -> list[Path]:
+    """Delete the data files in ``step_dir`` that this run of the step did not write (shards of a
+    source or file since removed from the config); return them. Otherwise a glob over
+    ``DIR/mixed`` or ``DIR/tokens`` would still feed removed data to training."""
+    keep = {Path(o).resolve() for o in outputs}
+    gone = []
+    for p in sorted(step_dir.rglob("*")):
+        if (p.is_file() and p.name.endswith(DATA_SUFFIXES) and not p.name.startswith(".")
+                and p.resolve() not in keep):
+            p.unlink()
+            gone.append(p)
+    if gone:
+        log.info("%s: removed %d stale file(s) of an earlier run", step_dir, len(gone))
+    return gone
 
 
 def remove_temporaries(*dirs: Path) -> int:

@@ -111,6 +111,18 @@ def preflight(engine: Engine, steps: list[str]) -> None:
             raise OlmoflowError(f"tokenize.tokenizer: no such directory '{t.tokenizer}'")
 
 
+def content_hash(entries: list[Any]) -> str:
+    """sha256 over the bytes of the files named (files or directories; manifests and hidden files
+    left out). Goes into shard tasks whose job reads files besides its input (the tokenizer, the
+    quality model, plugin code): the task's done-marker is named by a hash of the task, so a
+    retrained tokenizer at the same path makes every shard run again instead of keeping token
+    ids from the old one."""
+    from olmoflow.artifacts import data_files, sha256_file, sha256_json
+
+    files = sorted({str(f) for e in entries for f in data_files(e)})
+    return sha256_json([[f, sha256_file(f)] for f in files])
+
+
 def _asdict(obj: Any) -> dict[str, Any]:
     import dataclasses
 
@@ -269,12 +281,15 @@ def run_tag(engine: Engine):
         raise OlmoflowError("the config lists no 'taggers'")
     plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
     import_plugins(plugins)  # fail here, once, rather than in every worker
-    taggers = with_quality_model(cfg.taggers, quality_model(engine))
+    model = quality_model(engine)
+    taggers = with_quality_model(cfg.taggers, model)
+    deps = content_hash([p for p in plugins if p.endswith(".py")] + ([model] if model else []))
     tasks = []
     for s in _doc_shards(engine):
         rel = _rel(engine, "ingest", s)
         tasks.append({"documents": s["path"], "source": s["source"], "output": str(out / rel),
-                      "taggers": taggers, "strict": cfg.strict, "plugins": plugins})
+                      "taggers": taggers, "strict": cfg.strict, "plugins": plugins,
+                      "depends": deps})
     results = engine.run_jobs("tag", tag_with_plugins, tasks)
     return _finish(engine, "tag", tasks, results, relative_shards(out, tasks),
                    [Path(t["documents"]) for t in tasks])
@@ -433,7 +448,8 @@ def run_tokenize(engine: Engine):
     for s in mixed:
         rel = _rel(engine, "mix", s).removesuffix(DOC_SUFFIX)
         tasks.append({"input": s["path"], "source": s["source"], "output": str(out / f"{rel}.npy"),
-                      "tokenizer": tok_dir, "implementation": t.implementation, "dtype": t.dtype})
+                      "tokenizer": tok_dir, "implementation": t.implementation, "dtype": t.dtype,
+                      "depends": content_hash(tok_files)})
     results = engine.run_jobs("tokenize", tokenize_shard, tasks, workers=t.workers)
     parts = [Path(x["output"]) for x in tasks]
     write_meta(out, tok, dtype, parts, results)

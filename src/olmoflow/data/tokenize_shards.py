@@ -33,14 +33,24 @@ META = "meta.json"
 DTYPES = ("auto", "uint16", "uint32")
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(tokenizer_dir: str, implementation: str = "bpe"):
-    """The tokenizer saved in ``tokenizer_dir`` (loaded once per worker process).
+    """The tokenizer saved in ``tokenizer_dir`` (loaded once per worker process, and again when
+    its files change: a run that retrains ``DIR/tokenizer`` in a process that tokenized before
+    must not encode with the old one).
 
     Raises:
         OlmoflowError: no ``tokenizer.json`` there (or the implementation's files), or an unknown
             implementation.
     """
+    from olmoflow.artifacts import data_files
+
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                  for f in data_files(tokenizer_dir)) if Path(tokenizer_dir).exists() else ()
+    return _load_tokenizer(tokenizer_dir, implementation, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(tokenizer_dir: str, implementation: str, stamp: tuple):
     from olmoflow.tokenizer import tokenizer_class
 
     return tokenizer_class(implementation).load(tokenizer_dir)

@@ -263,6 +263,8 @@ def _unreadable(path: Path, what: str, e: BaseException) -> OlmoflowError:
     """The one-line error for a checkpoint that exists but cannot be loaded, naming the others."""
     path = Path(path)
     others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
+    if isinstance(e, CheckpointException) and e.failures:  # the first rank's own error, no traceback
+        e = next(iter(e.failures.values()))[0]
     detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
     hint = (f"resume from another one, e.g. resume_from={others[-1]}" if others
             else "no other checkpoint is left to resume from")

@@ -1,0 +1,213 @@
+"""What a new user broke in the training engine (QA of issue 4), each as a regression test.
+
+Every bad input is one OlmoflowError line (the CLI's exit 2), found before training starts where it
+can be, and no failure deletes or rewrites a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from olmoflow.cli import main
+from olmoflow.config import TrainConfig, load_config
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.errors import OlmoflowError
+from olmoflow.train.checkpoint import LATEST, list_checkpoints, resolve_checkpoint
+from olmoflow.train.plan import plan_config
+from olmoflow.train.trainer import Trainer
+from resume_helpers import build_model, dataset, make_trainer, train_config
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder``, by relative path."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# --- train.* numbers: every one that used to train silently wrong or crash with a traceback -------
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=.nan", "train.lr must be a finite number"),          # was: ValueError traceback
+    ("train.lr=.inf", "train.lr must be a finite number"),          # was: trained to loss nan
+    ("train.muon_lr=.nan", "train.muon_lr must be a finite number"),
+    ("train.memory_budget_gb=.inf", "train.memory_budget_gb must be a finite number"),
+    ("train.beta1=1.5", "train.beta1 must be in [0, 1)"),           # was: ValueError traceback
+    ("train.beta2=-0.1", "train.beta2 must be in [0, 1)"),
+    ("train.eps=0", "train.eps must be > 0"),                       # was: trained to loss nan
+    ("train.grad_clip=-1", "train.grad_clip must be >= 0"),         # was: flipped every gradient
+    ("train.weight_decay=-1", "train.weight_decay must be >= 0"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1]"),
+    ("train.min_lr_ratio=-1", "train.min_lr_ratio must be in [0, 1]"),
+    ("train.num_threads=-1", "train.num_threads must be >= 1"),     # was: RuntimeError traceback
+    ("train.save_interval=-1", "train.save_interval must be >= 0"),  # was: saved every step
+    ("train.log_interval=-1", "train.log_interval must be >= 0"),    # was: logged nothing
+    ("train.skip_step_window=0", "train.skip_step_window must be >= 2"),  # was: unbounded window
+    ("train.skip_step_window=1", "train.skip_step_window must be >= 2"),  # was: never skipped
+])
+def test_bad_train_numbers_are_one_line_errors(override, message):
+    with pytest.raises(OlmoflowError) as e:
+        load_config("tiny", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_train_number_exits_2_before_any_stage_runs(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["pretrain", "tiny", "--run-dir", str(run_dir), "train.grad_clip=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["olmoflow: error: train.grad_clip must be >= 0 (0: off), got -1.0"]
+    assert not run_dir.exists()
+
+
+def test_valid_edges_and_presets_still_load():
+    for preset in ("tiny", "demo", "olmo3_7b", "olmo3_32b"):
+        load_config(preset)
+    TrainConfig(grad_clip=0.0, weight_decay=0.0, min_lr_ratio=0.0, beta1=0.0, num_threads=0,
+                save_interval=0, log_interval=0, skip_step_window=2)
+    TrainConfig(min_lr_ratio=1.0)
+
+
+def test_plan_rejects_an_infinite_gpu(capsys):
+    with pytest.raises(OlmoflowError, match="--gpu-memory-gb must be a number of GB > 0, got inf"):
+        plan_config(load_config("olmo3_7b"), 64, math.inf)
+    assert main(["plan", "olmo3_7b", "--gpus", "64", "--gpu-memory-gb", "inf"]) == 2  # was: OverflowError
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# --- damaged and mismatched checkpoints --------------------------------------------------------------
+
+def _two_checkpoints(folder: Path) -> tuple[Path, Path]:
+    make_trainer(folder, 27, 0.0, max_steps=4, save_interval=2).fit()
+    older, newest = list_checkpoints(folder)
+    assert resolve_checkpoint(folder, LATEST) == newest
+    return older, newest
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+DAMAGE = {
+    "shard deleted": lambda c: next((c / "model_and_optim").glob("*.distcp")).unlink(),
+    "shard truncated": lambda c: _truncate(next((c / "model_and_optim").glob("*.distcp")), 1000),
+    "metadata deleted": lambda c: (c / "model_and_optim" / ".metadata").unlink(),
+    "trainer_state truncated": lambda c: _truncate(c / "trainer_state.pt", 100),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_latest_is_a_user_error_naming_the_previous_one(tmp_path, damage):
+    older, newest = _two_checkpoints(tmp_path)
+    kept = tree_digest(older)
+    DAMAGE[damage](newest)  # was: FileNotFoundError / EOFError / RuntimeError / AssertionError
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=6, save_interval=2, resume_from="latest")
+    with pytest.raises(OlmoflowError) as e:
+        t.fit()
+    msg = str(e.value)
+    assert f"checkpoint '{newest}' cannot be read" in msg and f"resume_from={older.name}" in msg
+    assert "\n" not in msg and "Traceback" not in msg
+    assert tree_digest(older) == kept and (tmp_path / LATEST).read_text().strip() == newest.name
+    # ... and the one it names resumes.
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=3, save_interval=0, resume_from=older.name)
+    t.fit()
+    assert t.step == 3
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_user_error(tmp_path):
+    _, newest = _two_checkpoints(tmp_path)
+    before = tree_digest(tmp_path)
+    wider = Trainer(build_model(d_model=48), train_config(max_steps=6, resume_from="latest"),
+                    DataLoader(dataset(27), 4, seed=7), tmp_path, progress=False)
+    with pytest.raises(OlmoflowError, match=r"cannot be read \(model_and_optim: ValueError: Size mismatch"):
+        wider.fit()  # was: ValueError traceback
+    assert tree_digest(tmp_path) == before
+
+
+def test_resume_from_a_pruned_checkpoint_says_it_was_pruned(tmp_path):
+    make_trainer(tmp_path, 27, 0.0, max_steps=6, save_interval=2, keep_last=1).fit()
+    with pytest.raises(OlmoflowError, match=r"'stage1-step2-tokens64' was pruned \(train.keep_last"):
+        resolve_checkpoint(tmp_path, "step2")
+    with pytest.raises(OlmoflowError, match="was pruned"):
+        resolve_checkpoint(tmp_path, "stage1-step4-tokens128")
+    with pytest.raises(OlmoflowError) as e:
+        resolve_checkpoint(tmp_path, "step3")  # never saved: no pruning story to tell
+    assert "was pruned" not in str(e.value)
+
+
+# --- no complete checkpoint is deleted or rewritten ---------------------------------------------------
+
+def test_resuming_a_finished_run_keeps_its_final_checkpoint_untouched(tmp_path):
+    """A resume at max_steps (or a stop right after a periodic save) used to save the same step
+    again: delete the complete directory, then rename the copy in."""
+    make_trainer(tmp_path, 27, 0.0, max_steps=4, save_interval=2).fit()
+    final = resolve_checkpoint(tmp_path, LATEST)
+    before, inode = tree_digest(final), (final / "trainer_state.pt").stat().st_ino
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, save_interval=2, resume_from="latest")
+    summary = t.fit()
+    assert Path(summary["checkpoint"]) == final and t.step == 4
+    assert tree_digest(final) == before and (final / "trainer_state.pt").stat().st_ino == inode
+
+
+def test_writing_over_a_directory_fails_before_training(tmp_path):
+    (tmp_path / "checkpoints.csv").mkdir(parents=True)
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, save_interval=2)
+    with pytest.raises(OlmoflowError, match="checkpoints.csv' is a directory"):
+        t.fit()  # was: IsADirectoryError at the first save, after that step's checkpoint was written
+    assert t.step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_a_stage_directory_that_is_a_file_is_a_user_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pretrain").write_text("not a directory")
+    assert main(["pretrain", "tiny", "--run-dir", str(run), "--no-progress"]) == 2  # was: NotADirectoryError
+    assert "'" + str(run / "pretrain") + "' exists and is not a directory" in capsys.readouterr().err
+
+
+def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path):
+    """An interrupted run whose checkpoint policy, log or thread settings change resumes; before,
+    the changed fingerprint deleted every checkpoint and trained again from step 0."""
+    from olmoflow.pipeline import TRAIN_BOOKKEEPING, fingerprint
+
+    values = {"run_dir": str(tmp_path)}
+    base = fingerprint(load_config("tiny", values=values), "pretrain")
+    same = ["train.keep_last=2", "train.keep_every=10", "train.save_interval=3", "train.log_interval=1",
+            "train.num_threads=1", "train.detailed_log_interval=5", "train.loggers=[tensorboard]",
+            "resume_from=latest"]
+    assert {o.split("=")[0].removeprefix("train.") for o in same} == set(TRAIN_BOOKKEEPING)
+    for override in same:
+        assert fingerprint(load_config("tiny", [override], values=values), "pretrain") == base, override
+    for override in ["train.max_steps=31", "train.lr=1e-3", "train.optimizer=muon", "train.packing=best_fit",
+                     "train.micro_batch_size=2", "train.precision=bf16", "seed=1", "model.d_model=32"]:
+        assert fingerprint(load_config("tiny", [override], values=values), "pretrain") != base, override
+
+
+# --- the data position means the same instances -------------------------------------------------------
+
+def test_loader_refuses_a_position_over_other_instances_of_the_same_count():
+    """64 tokens make 7 instances at sequence_length 8 and at 9: the counts agree, the instances do
+    not, so a position would silently skip or repeat data (was: resumed without a word)."""
+    tokens = [np.arange(64, dtype=np.uint16)]
+    eight, nine = InstanceDataset(tokens, 8), InstanceDataset(tokens, 9)
+    assert len(eight) == len(nine) == 7
+    state = DataLoader(eight, 2, seed=0).state_dict()
+    with pytest.raises(OlmoflowError, match="train.sequence_length=8, this run has 9"):
+        DataLoader(nine, 2, seed=0).load_state_dict(state)
+    with pytest.raises(OlmoflowError, match="train.packing=best_fit, this run has concat"):
+        DataLoader(eight, 2, seed=0).load_state_dict({**state, "packing": "best_fit"})
+    old = {k: v for k, v in state.items() if k not in ("packing", "sequence_length")}
+    DataLoader(eight, 2, seed=0).load_state_dict(old)  # checkpoints from before still resume
