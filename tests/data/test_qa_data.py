@@ -274,3 +274,16 @@ def test_editing_a_plugin_tagger_retags_every_shard(tmp_path):
         rows = read_attributes(next((tmp_path / "run" / "attributes" / "tags").rglob("*.gz")))
         scores.append({r["attributes"]["mine__score"][0][2] for r in rows})
     assert scores == [{1.0}, {2.0}]
+
+
+def test_report_on_a_run_with_a_deleted_shard_is_a_one_line_error(tmp_path, capsys):
+    # `olmoflow data report DIR` after a mixed shard was deleted ended in a FileNotFoundError
+    # traceback from the histogram code.
+    from olmoflow.cli import main
+
+    cfg = load_data_config(config(tmp_path, steps="[ingest, mix]"))
+    Engine(cfg).run()
+    next((tmp_path / "run" / "mixed").rglob("*.jsonl.gz")).unlink()
+    assert main(["data", "report", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("olmoflow: error: cannot read ") and "\n" not in err

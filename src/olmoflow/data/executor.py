@@ -222,9 +222,23 @@ def _pool(workers: int) -> cf.ProcessPoolExecutor:
         old.shutdown(wait=False, cancel_futures=True)
     _POOLS.clear()
     _POOLS[workers] = pool = cf.ProcessPoolExecutor(
-        max_workers=workers, mp_context=ctx, initializer=exit_with_driver,
+        max_workers=workers, mp_context=ctx, initializer=init_worker,
         initargs=(os.getpid(),))
     return pool
+
+
+def init_worker(driver_pid: int) -> None:
+    """Pool worker initializer: :func:`exit_with_driver`, and a quiet exit on Ctrl-C.
+
+    Ctrl-C reaches every process of the terminal's group; the driver reports it in one line
+    ("olmoflow: interrupted"), while each worker would print a KeyboardInterrupt traceback of
+    its own. A worker stops at once instead (its half-written shard is a temporary file that the
+    next run removes and redoes).
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    exit_with_driver(driver_pid)
 
 
 def exit_with_driver(driver_pid: int) -> None:

@@ -166,10 +166,16 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
 
 
 def _read_jsonl_gz(path: Path) -> Iterator[dict[str, Any]]:
-    with gzip.open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """The records of a shard the manifests list; a missing or damaged one is a one-line error
+    (the run directory changed since the steps ran), not a traceback."""
+    try:
+        with gzip.open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+    except (OSError, EOFError, ValueError) as e:
+        raise OlmoflowError(f"cannot read '{path}' ({type(e).__name__}), which a step's manifest "
+                            "lists; rerun 'olmoflow data run' on this directory") from None
 
 
 def _shards(root: Path, step: str) -> list[Path]:

@@ -248,8 +248,14 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="pretrain", unit="step",
                    disable=not (self.progress and self.dist.is_main), dynamic_ncols=True)
         start, window_t, window_tokens, last = time.time(), time.time(), 0, {}
+        interrupted = False
         try:
-            while self.step < cfg.max_steps and not stop:
+            while self.step < cfg.max_steps:
+                # Under torchrun the ranks stop together, even when the signal reaches them a step
+                # apart: a rank stopping alone would save (a collective) while the others train.
+                if distributed.all_reduce_sum(len(stop), self.dist) > 0:
+                    interrupted = True
+                    break
                 t_data = time.time()
                 batch = self.loader.next_batch()
                 data_s = time.time() - t_data
@@ -277,7 +283,7 @@ class Trainer:
             bar.close()
             log_file.close()
         final = self._final_checkpoint()
-        if stop:
+        if interrupted:
             print(f"\ninterrupted at step {self.step}: saved {final}; run the same command again "
                   "(or add resume_from=latest) to resume", flush=True)
             raise KeyboardInterrupt
