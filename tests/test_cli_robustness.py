@@ -103,3 +103,20 @@ def test_failed_first_stage_leaves_no_run_dir(tmp_path, capsys):
     rc, _, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "hi", "--no-progress")
     assert_one_line_error(rc, err, "run 'olmoflow")
     assert not run.exists()
+
+
+def test_checkpoints_of_another_config_are_never_deleted_implicitly(tmp_path, capsys):
+    """A changed train config must not wipe an interrupted (or finished) run's checkpoints: the
+    rerun stops with one line naming both ways forward, and each of them works."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": doc_text(i) * 4} for i in range(40)])
+    base = ("tiny", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), *FAST)
+    assert cli(capsys, "run", *base)[0] == 0
+    pretrain = tmp_path / "run" / "pretrain"
+    before = sorted(p.name for p in pretrain.iterdir())
+    rc, _, err = cli(capsys, "pretrain", *base, "train.lr=1e-3")
+    assert_one_line_error(rc, err, "resume_from=latest")
+    assert sorted(p.name for p in pretrain.iterdir()) == before, "nothing was deleted"
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.lr=1e-3", "train.max_steps=6", "resume_from=latest")
+    assert rc == 0 and "[pretrain] resumed" in out
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.lr=2e-3", "--force")
+    assert rc == 0 and "[pretrain] ran" in out

@@ -3,7 +3,9 @@
 A stage's fingerprint is the sha256 of its config sections and of the manifests (outputs and their
 hashes) of the stages it reads. A stage whose directory has a manifest with the same fingerprint
 and intact outputs is skipped; otherwise its directory is cleared and it runs again. Pretraining
-is the exception: an interrupted run with the same fingerprint resumes from its latest checkpoint.
+is the exception: an interrupted run with the same fingerprint resumes from its latest checkpoint,
+and checkpoints made under another fingerprint are kept until the user says ``resume_from=latest``
+(continue them) or ``--force`` (start over).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from olmoflow.config import RunConfig, dump_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.stages import BY_NAME, RUNNERS, STAGES, stage_dir
 from olmoflow.train import distributed
-from olmoflow.train.checkpoint import has_checkpoint
+from olmoflow.train.checkpoint import has_checkpoint, resolve_checkpoint
 
 FINGERPRINT = ".fingerprint"
 # train.* keys that change how a run is kept, logged or scheduled on the machine, not the weights it
@@ -77,8 +79,17 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     # more train.max_steps) instead of clearing them.
     resuming = (not complete and name == "pretrain" and not force and has_checkpoint(out)
                 and (_same_fingerprint(out, fp) or bool(cfg.train.resume_from)))
+    # Checkpoints made under another config or other upstream data are never deleted implicitly:
+    # they may hold days of training. The user says which way to go.
+    kept = (None if complete or resuming or force or name != "pretrain" or not has_checkpoint(out)
+            else resolve_checkpoint(out, "latest").name)
     # Under torchrun rank 0 decides and every rank follows; rank 0 alone writes the stage's files.
-    complete, resuming = distributed.broadcast_object((complete, resuming))
+    complete, resuming, kept = distributed.broadcast_object((complete, resuming, kept))
+    if kept is not None:
+        raise OlmoflowError(
+            f"'{out}' holds checkpoints (newest: {kept}) made under a different config or different "
+            "upstream data; add resume_from=latest to continue them under this config, or --force "
+            "to delete them and train from step 0")
     if complete:
         return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
     if resuming:

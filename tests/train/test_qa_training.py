@@ -156,6 +156,23 @@ def test_resume_from_a_pruned_checkpoint_says_it_was_pruned(tmp_path):
 
 # --- no complete checkpoint is deleted or rewritten ---------------------------------------------------
 
+def test_pruning_a_new_stage_keeps_the_previous_stage(tmp_path):
+    """Stage 2 resumed from stage 1 with keep_last=1 used to delete every stage-1 checkpoint."""
+    from olmoflow.train.checkpoint import read_index
+
+    make_trainer(tmp_path, 27, 0.0, max_steps=6, save_interval=2).fit()
+    stage1 = tree_digest(tmp_path / "stage1-step6-tokens192")
+    make_trainer(tmp_path, 27, 0.0, max_steps=10, save_interval=2, stage="stage2", keep_last=1,
+                 resume_from="latest").fit()
+    on_disk = [p.name for p in list_checkpoints(tmp_path)]
+    assert on_disk == ["stage1-step2-tokens64", "stage1-step4-tokens128", "stage1-step6-tokens192",
+                       "stage2-step10-tokens320"]
+    assert tree_digest(tmp_path / "stage1-step6-tokens192") == stage1
+    index = {r["name"]: r["status"] for r in read_index(tmp_path)}
+    assert sorted(n for n, st in index.items() if st == "kept") == on_disk  # the index says what is there
+    assert index["stage2-step8-tokens256"] == "pruned"
+
+
 def test_resuming_a_finished_run_keeps_its_final_checkpoint_untouched(tmp_path):
     """A resume at max_steps (or a stop right after a periodic save) used to save the same step
     again: delete the complete directory, then rename the copy in."""

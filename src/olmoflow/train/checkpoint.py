@@ -158,14 +158,16 @@ def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,
 
     Kept: every checkpoint whose step is a multiple of ``keep_every`` (when > 0), forever; of the
     rest, the newest ``keep_last`` (0 keeps all); and always ``newest`` (the one just saved).
-    Checkpoints of steps after ``newest`` (left by a run resumed from an earlier one) are neither
+    Checkpoints of steps after ``newest`` (left by a run resumed from an earlier one) and those of
+    another stage (``stage1`` while ``stage2`` trains, or old ``stepN`` directories) are neither
     counted nor touched.
     """
     if keep_last <= 0:
         return []
-    newest_step = parse_checkpoint_name(newest.name)
+    newest_step, stage = parse_checkpoint_name(newest.name), _NAME.match(newest.name)["stage"]
     rest = [p for p in list_checkpoints(save_folder)
             if (s := parse_checkpoint_name(p.name)) <= newest_step
+            and _NAME.match(p.name)["stage"] == stage
             and not (keep_every > 0 and s % keep_every == 0)]
     doomed = [p for p in rest[: max(0, len(rest) - keep_last)] if p != newest]
     for p in doomed:
