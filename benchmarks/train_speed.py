@@ -25,7 +25,10 @@ FLOPs per token (:func:`train_flops_per_token`) over a matmul peak measured in t
 during and after the steps (the best), with the same thread count. The final CE loss row checks
 that both sides did the same work.
 
-Usage:  python benchmarks/train_speed.py [--steps 20] [--warmup 2] [--threads N]
+Usage:  python benchmarks/train_speed.py [--steps 20] [--warmup 2] [--threads N] [--compile]
+
+``--compile`` runs ours with ``train.compile`` (each block through ``torch.compile``; its compile
+time falls in the untimed warmup steps) against the same plain eager transformers loop.
 
 The last line is ``ratio (ours/transformers) = X`` in median-step training tokens/s (> 1: ours is
 faster).
@@ -80,7 +83,7 @@ def ours_stepper(work: Path, args, total: int):
     cfg = TrainConfig(sequence_length=args.seq, global_batch_size=args.batch,
                       micro_batch_size=args.micro_batch, max_steps=total, lr=LR,
                       warmup_steps=WARMUP_STEPS, save_interval=0, log_interval=1,
-                      num_threads=args.threads)
+                      num_threads=args.threads, compile=args.compile)
     data = loader(work, args)
     trainer = Trainer(model, cfg, data, Path(tempfile.mkdtemp(dir=work)), progress=False)
     model.train()
@@ -162,7 +165,7 @@ class Child:
         cmd = [sys.executable, __file__, "--child", side, "--work", str(work), "--threads",
                str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch", str(args.batch), "--micro-batch", str(args.micro_batch),
-               "--seq", str(args.seq)]
+               "--seq", str(args.seq)] + (["--compile"] if args.compile else [])
         self.side = side
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True,
@@ -192,6 +195,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch (instances)")
     ap.add_argument("--micro-batch", type=int, default=16, help="micro-batch (instances)")
     ap.add_argument("--seq", type=int, default=256, help="sequence length (tokens)")
+    ap.add_argument("--compile", action="store_true",
+                    help="ours with train.compile (torch.compile per block; the warmup steps pay "
+                         "the compile); transformers stays the plain eager loop")
     ap.add_argument("--child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,7 +227,7 @@ def main() -> None:
         print(f"model: {model.num_params():,} parameters (d_model {cfg.d_model}, {cfg.n_layers} "
               f"layers, {cfg.n_heads} heads, window {cfg.sliding_window}); batch {args.batch}x"
               f"{args.seq} (micro-batch {args.micro_batch}); {args.warmup}+{args.steps} steps per "
-              f"side; torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"side; ours {'compiled per block' if args.compile else 'eager'}; torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{args.threads} threads", flush=True)
         del model
         peaks = [matmul_peak("cpu", torch.float32, n=2048, repeats=5)]

@@ -105,6 +105,7 @@ class TrainConfig:
     muon_momentum: float = 0.95
     precision: str = "auto"        # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: int = 0  # recompute every n-th block in backward (1: every block; 0: off)
+    compile: bool = False          # torch.compile each transformer block (one-off compile time)
     # --- scale-out and batching (issue 4.4, 4.5)
     data_parallel: str = "ddp"     # under torchrun: ddp | fsdp (FSDP2 fully_shard)
     auto_micro_batch: bool = False  # find the largest micro-batch that fits, keep global batch

@@ -154,6 +154,20 @@ def test_resume_from_a_pruned_checkpoint_says_it_was_pruned(tmp_path):
     assert "was pruned" not in str(e.value)
 
 
+def test_resume_from_a_folder_of_checkpoints_takes_its_latest(tmp_path):
+    """README: resume_from is latest, stepN "or a dir"; a folder of checkpoints (this run's or
+    another run's) used to be 'no checkpoint at ...'."""
+    make_trainer(tmp_path / "a", 27, 0.0, max_steps=4, save_interval=2).fit()
+    latest_a = resolve_checkpoint(tmp_path / "a", LATEST)
+    assert resolve_checkpoint(tmp_path / "b", str(tmp_path / "a")) == latest_a
+    assert resolve_checkpoint(tmp_path / "a", ".") == latest_a
+    t = make_trainer(tmp_path / "b", 27, 0.0, max_steps=6, save_interval=0, resume_from=str(tmp_path / "a"))
+    t.fit()
+    assert t.step == 6 and resolve_checkpoint(tmp_path / "b", LATEST).name.startswith("stage1-step6-")
+    with pytest.raises(OlmoflowError, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / "b", str(tmp_path))  # a folder without checkpoints
+
+
 # --- no complete checkpoint is deleted or rewritten ---------------------------------------------------
 
 def test_pruning_a_new_stage_keeps_the_previous_stage(tmp_path):

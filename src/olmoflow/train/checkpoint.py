@@ -225,8 +225,9 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     """Find the checkpoint directory ``resume_from`` names.
 
     ``latest`` -> the directory the ``latest`` pointer names, or (pointer missing or stale) the
-    complete checkpoint with the highest step; a path (absolute, or relative to ``save_folder``);
-    or ``stepN`` -> the checkpoint of step N whatever its stage and token suffix.
+    complete checkpoint with the highest step; a path (absolute, or relative to ``save_folder``) of
+    a checkpoint, or of a folder of checkpoints (its ``latest``); or ``stepN`` -> the checkpoint of
+    step N whatever its stage and token suffix.
 
     Raises:
         OlmoflowError: nothing to resume from.
@@ -247,6 +248,9 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
     for cand in (p, save_folder / p):
         if (cand / TRAINER_STATE).is_file():
             return cand
+    for cand in (p, save_folder / p):  # a folder of checkpoints (this run's or another's): its latest
+        if cand.is_dir() and list_checkpoints(cand):
+            return resolve_checkpoint(cand, LATEST)
     step = parse_checkpoint_name(p.name)
     same_step = [c for c in list_checkpoints(save_folder) if parse_checkpoint_name(c.name) == step]
     if step is not None and str(p) == p.name and same_step:

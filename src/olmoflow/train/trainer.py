@@ -74,6 +74,12 @@ class Trainer:
         self.per_rank_batch = distributed.per_rank_batch(
             cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dist)
         self.micro_batch_size = cfg.micro_batch_size  # train.auto_micro_batch may change it in fit()
+        if cfg.compile:  # per block, as torchtitan: before FSDP wraps them; keeps state-dict keys
+            blocks = getattr(model, "blocks", None)
+            if blocks is None:
+                raise OlmoflowError(f"train.compile needs an olmoflow Olmo model, got {type(model).__name__}")
+            for block in blocks:
+                block.compile()
         self.model = model = distributed.parallelize(model, cfg.data_parallel, self.dist)
         self.optimizer = build_optimizer(model, cfg)
         self.step, self.tokens_seen = 0, 0
