@@ -73,6 +73,9 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     info = distributed.init_from_env()  # under torchrun; one process otherwise
     if out.exists() and not out.is_dir():
         raise OlmoflowError(f"'{out}' exists and is not a directory; the {name} stage writes there")
+    if force and name == "pretrain" and cfg.train.resume_from and _resumes_inside(out, cfg.train.resume_from):
+        raise OlmoflowError(f"--force would delete the checkpoints in '{out}' that resume_from="
+                            f"{cfg.train.resume_from} continues; drop one of the two")
     fp = fingerprint(cfg, name)
     complete = not force and is_complete(out, fp)
     # An explicit resume_from continues the stage's checkpoints even under a changed config (e.g.
@@ -125,6 +128,14 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     if message is not None:
         raise OlmoflowError(message)
     return ("resumed" if resuming else "ran"), secs, counts
+
+
+def _resumes_inside(out: Path, resume_from: str) -> bool:
+    """Whether ``resume_from`` names a checkpoint in ``out`` (which ``--force`` would delete)."""
+    try:
+        return resolve_checkpoint(out, resume_from).resolve().parent == out.resolve()
+    except OlmoflowError:
+        return False
 
 
 def _same_fingerprint(out: Path, fp: str) -> bool:

@@ -187,6 +187,46 @@ def test_pruning_a_new_stage_keeps_the_previous_stage(tmp_path):
     assert index["stage2-step8-tokens256"] == "pruned"
 
 
+class Killed(BaseException):
+    pass
+
+
+def test_a_prune_killed_midway_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Pruning deleted checkpoints in place: a kill mid-delete (Slurm preemption) could leave one
+    with trainer_state.pt but no shards, listed as complete and picked by resume_from=stepN."""
+    import shutil
+
+    from olmoflow.train import checkpoint
+    from olmoflow.train.checkpoint import checkpoint_name, prune_checkpoints
+
+    def fake(step: int) -> Path:
+        d = tmp_path / checkpoint_name("stage1", step, step * 100)
+        (d / "model_and_optim").mkdir(parents=True)
+        (d / "model_and_optim" / "__0_0.distcp").write_bytes(b"shard")
+        (d / "trainer_state.pt").write_bytes(b"state")
+        return d
+
+    real_rmtree = shutil.rmtree
+
+    def killed_rmtree(path, *a, **kw):  # deletes the shards, then the process dies
+        if not Path(path).exists():
+            return real_rmtree(path, *a, **kw)
+        for f in Path(path).rglob("*.distcp"):
+            f.unlink()
+        raise Killed
+
+    for step in (1, 2):
+        fake(step)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_rmtree)
+    with pytest.raises(Killed):
+        prune_checkpoints(tmp_path, fake(3), keep_last=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    for c in list_checkpoints(tmp_path):  # every checkpoint still listed is whole
+        assert (c / "model_and_optim" / "__0_0.distcp").is_file(), c.name
+    prune_checkpoints(tmp_path, fake(4), keep_last=1)  # the next save clears the leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_name("stage1", 4, 400)]
+
+
 def test_resuming_a_finished_run_keeps_its_final_checkpoint_untouched(tmp_path):
     """A resume at max_steps (or a stop right after a periodic save) used to save the same step
     again: delete the complete directory, then rename the copy in."""
@@ -213,6 +253,19 @@ def test_a_stage_directory_that_is_a_file_is_a_user_error(tmp_path, capsys):
     (run / "pretrain").write_text("not a directory")
     assert main(["pretrain", "tiny", "--run-dir", str(run), "--no-progress"]) == 2  # was: NotADirectoryError
     assert "'" + str(run / "pretrain") + "' exists and is not a directory" in capsys.readouterr().err
+
+
+def test_force_with_resume_from_deletes_nothing(tmp_path):
+    """`pretrain --force resume_from=latest` used to delete every checkpoint, then fail: nothing
+    left to resume from."""
+    from olmoflow.pipeline import run_stage
+
+    make_trainer(tmp_path / "pretrain", 27, 0.0, max_steps=2, save_interval=0).fit()
+    before = tree_digest(tmp_path / "pretrain")
+    cfg = load_config("tiny", ["resume_from=latest"], values={"run_dir": str(tmp_path)})
+    with pytest.raises(OlmoflowError, match="--force would delete the checkpoints .* resume_from=latest"):
+        run_stage(cfg, "pretrain", progress=False, force=True)
+    assert tree_digest(tmp_path / "pretrain") == before
 
 
 def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path):

@@ -140,8 +140,14 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
     if main:
         torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        if final.exists():  # a step saved again (e.g. after resuming an earlier checkpoint)
+            trash = final.with_name(f".{final.name}.pruned")
+            shutil.rmtree(trash, ignore_errors=True)
+            final.rename(trash)  # out of the namespace first, as in prune_checkpoints
+            tmp.rename(final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(final)
         pruned = prune_checkpoints(save_folder, final, keep_every=keep_every, keep_last=keep_last)
         row = {"step": step, "tokens": int(trainer_state["tokens_seen"]), "name": final.name,
                "loss": "" if loss is None else f"{loss:.6f}",
@@ -171,7 +177,14 @@ def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,
             and not (keep_every > 0 and s % keep_every == 0)]
     doomed = [p for p in rest[: max(0, len(rest) - keep_last)] if p != newest]
     for p in doomed:
-        shutil.rmtree(p)
+        # Renamed out of the checkpoint namespace first: a process killed mid-delete (Slurm
+        # preemption) leaves a hidden leftover, never a half-deleted checkpoint a resume would trust.
+        trash = p.with_name(f".{p.name}.pruned")
+        shutil.rmtree(trash, ignore_errors=True)
+        p.rename(trash)
+        shutil.rmtree(trash)
+    for left in Path(save_folder).glob(".*.pruned"):  # leftovers of a killed earlier prune
+        shutil.rmtree(left, ignore_errors=True)
     return [p.name for p in doomed]
 
 
