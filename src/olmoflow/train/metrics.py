@@ -297,7 +297,10 @@ class TrainingMetrics:
         out = self._out
         out["sys/rss_gb"] = self._process.memory_info().rss / GB
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["sys/peak_rss_gb"] = peak * (1 if sys.platform == "darwin" else 1024) / GB
+        # The kernel updates ru_maxrss lazily, so it can trail the RSS read a moment before; a
+        # peak is never below the present value.
+        out["sys/peak_rss_gb"] = max(peak * (1 if sys.platform == "darwin" else 1024) / GB,
+                                     out["sys/rss_gb"])
         out["sys/cpu_percent"] = self._process.cpu_percent(None)
         out["sys/cpu_system_percent"] = psutil.cpu_percent(None)
         if torch.cuda.is_available():
