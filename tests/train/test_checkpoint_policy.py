@@ -28,13 +28,6 @@ from resume_helpers import make_trainer, read_metrics
 TOKENS_PER_STEP = 4 * 8  # resume_helpers.train_config: 4 instances of 8 tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_token_counts_round_up_in_the_largest_unit():
     assert [format_tokens(n) for n in (0, 1, 999)] == ["0", "1", "999"]

@@ -33,13 +33,6 @@ VOCAB, SEQ, LAYERS, HEADS = 64, 16, 4, 4
 BASIC = ("loss", "ce_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "data_wait_s")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def model_config(**kw) -> ModelConfig:
     base = dict(vocab_size=VOCAB, d_model=32, n_layers=LAYERS, n_heads=HEADS, mlp_hidden=64,

@@ -26,13 +26,6 @@ from resume_helpers import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def pattern_trainer(folder, **cfg_kw) -> Trainer:
     """A repeating token pattern: learnable in a few dozen steps."""

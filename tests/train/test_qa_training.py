@@ -30,13 +30,6 @@ from olmoflow.train.trainer import Trainer
 from resume_helpers import build_model, dataset, make_trainer, train_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tree_digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under ``folder``, by relative path."""

@@ -34,14 +34,6 @@ from resume_helpers import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors run fastest on one thread (and a busy CI box makes more threads spin)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --- gradient accumulation ------------------------------------------------------------------------
 

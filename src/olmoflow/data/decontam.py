@@ -55,6 +55,7 @@ from olmoflow.data.shards import (
     DOCUMENTS_DIR,
     WORK_DIR,
     attribute_path,
+    flag_totals,
     doc_level,
     document_shards,
     input_signature,
@@ -452,11 +453,7 @@ def run_decontam(cfg: DecontamConfig | dict[str, Any] | None, tasks: list[dict[s
         "strict": strict,
     } for t in tasks]
     results = run_jobs(ATTRIBUTE_SET, decontam_shard, jobs)
-    flagged = {a: {"documents": 0, "bytes": 0} for a in cfg.attributes()}
-    for r in results:
-        for a, rec in r["flagged"].items():
-            flagged[a]["documents"] += rec["documents"]
-            flagged[a]["bytes"] += rec["bytes"]
+    flagged = flag_totals(cfg.attributes(), results)
     counts = {
         "documents_in": sum(r["documents_in"] for r in results),
         "bytes_in": sum(r["bytes_in"] for r in results),

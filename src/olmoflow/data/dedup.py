@@ -51,6 +51,7 @@ from olmoflow.data.shards import (
     DOCUMENTS_DIR,
     WORK_DIR,
     attribute_path,
+    flag_totals,
     doc_level,
     document_shards,
     input_signature,
@@ -525,11 +526,7 @@ def run_dedup(cfg: DedupConfig | dict[str, Any] | None, tasks: list[dict[str, An
     results = run_jobs(ATTRIBUTE_SET, dedup_write_shard, write_tasks, phase="write")
     # Bad lines are found while hashing; report them with the shard's final stats.
     results = [{**r, "errors": m.get("errors", [])} for r, m in zip(results, map_results)]
-    flagged = {a: {"documents": 0, "bytes": 0} for a in cfg.attributes()}
-    for r in results:
-        for a, rec in r["flagged"].items():
-            flagged[a]["documents"] += rec["documents"]
-            flagged[a]["bytes"] += rec["bytes"]
+    flagged = flag_totals(cfg.attributes(), results)
     counts = {
         "documents_in": sum(r["documents_in"] for r in results),
         "bytes_in": sum(r["bytes_in"] for r in results),

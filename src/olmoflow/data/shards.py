@@ -172,3 +172,14 @@ def local_runner(data_dir: str | os.PathLike, executor: str = "local", workers: 
                           done_dir=done / phase if phase else done,
                           desc=f"{step}/{phase}" if phase else step, progress=progress)
     return run_jobs
+
+
+def flag_totals(attributes: Iterable[str], results: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Documents and text bytes flagged per attribute, summed over the shard results' ``flagged``
+    (dedup and decontamination report these in their manifests)."""
+    totals = {a: {"documents": 0, "bytes": 0} for a in attributes}
+    for r in results:
+        for a, rec in r["flagged"].items():
+            totals[a]["documents"] += rec["documents"]
+            totals[a]["bytes"] += rec["bytes"]
+    return totals
