@@ -48,7 +48,7 @@ class PiiTagger(Tagger):
     """Spans of emails, phone numbers and IPv4 addresses (score 1.0)."""
 
     def tag(self, doc: dict[str, Any]) -> dict[str, Spans]:
-        """``pii__<kind>`` spans for each kind found, and ``pii__count``."""
+        """``pii__<kind>`` spans for every kind (empty when none is found), and ``pii__count``."""
         text = doc["text"]
         attrs: dict[str, Spans] = {}
         taken: list[tuple[int, int]] = []
@@ -63,9 +63,10 @@ class PiiTagger(Tagger):
                 if any(s < te and ts < e for ts, te in taken):
                     continue
                 spans.append([s, e, 1.0])
-            if spans:
-                attrs[self.attr(kind)] = spans
-                taken.extend((s, e) for s, e, _ in spans)
-                total += len(spans)
+            # Written even when empty, so a mixer rule or replacement may name every kind
+            # whether or not this corpus has one.
+            attrs[self.attr(kind)] = spans
+            taken.extend((s, e) for s, e, _ in spans)
+            total += len(spans)
         attrs[self.attr("count")] = [[0, len(text), total]]
         return attrs
