@@ -203,6 +203,20 @@ def test_unsupported_files_in_a_source_directory_are_named(tmp_path, caplog):
         assert "skipped 2 file(s) of an unsupported type: README.md, b.json.bz2" in caplog.text
 
 
+
+def test_an_artifact_directory_reads_without_warning_about_its_manifest(tmp_path, caplog):
+    # `olmoflow run --data runs/data/web_crawl/mixed`: the data engine's output directory holds
+    # its manifest.json beside the shards; that is bookkeeping, not data in an unknown format.
+    from olmoflow.data.sources import plan_inputs
+
+    d = tmp_path / "mixed"
+    (d / "c4").mkdir(parents=True)
+    jsonl(d / "c4" / "0000.jsonl", GOOD)
+    (d / "manifest.json").write_text("{}")
+    with caplog.at_level("WARNING"):
+        assert [i.name for i in plan_inputs([str(d)], "mixed")] == ["mixed/c4/0000.jsonl"]
+    assert "unsupported" not in caplog.text
+
 def test_histograms_follow_the_mixer_decision_per_line_not_per_id(tmp_path):
     # Two copies of one document with the same id (a shard ingested twice): dedup drops the
     # second, but the report's histograms looked ids up in the output and drew both as kept.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from olmoflow.artifacts import StageResult
+from olmoflow.artifacts import MANIFEST, StageResult
 from olmoflow.data.documents import DOCUMENTS, ShardWriter, write_documents
 from olmoflow.data.readers import (
     FORMATS, HF_PREFIX, MALFORMED, Input, ReadLog, ReadOptions, file_format, hf_label,
@@ -61,8 +61,11 @@ def _dir_files(directory: Path) -> list[Path]:
     found, other = [], []
     for p in directory.rglob("*"):
         rel = p.relative_to(directory)
-        if p.is_file() and not any(s.startswith(".") for s in rel.parts):
-            (found if file_format(p) else other).append(p)
+        # An olmoflow artifact directory (e.g. a data run's mixed/) carries its manifest.json:
+        # bookkeeping, not data, so reading such a directory warns about nothing.
+        if p.name == MANIFEST or not p.is_file() or any(s.startswith(".") for s in rel.parts):
+            continue
+        (found if file_format(p) else other).append(p)
     if other and found:  # with no supported file at all, _expand raises instead
         names = sorted(p.relative_to(directory).as_posix() for p in other)
         log.warning("%s: skipped %d file(s) of an unsupported type: %s%s", directory, len(names),
