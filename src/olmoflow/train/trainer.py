@@ -247,10 +247,11 @@ class Trainer:
             self.micro_batch_size = auto_micro_batch(self)
         self.model.train()
         self.save_folder.mkdir(parents=True, exist_ok=True)
-        stop = []
-        previous = _install_sigint(lambda *_: (stop.append(True), _install_sigint(previous)))
         log_file = (open_writers(self.save_folder, METRICS, cfg.loggers, self.config_yaml, self.step)
                     if self.dist.is_main else MetricWriters([]))  # only rank 0 logs
+        # Installed after the writers open: a writer that fails to open leaves Ctrl-C as it was.
+        stop = []
+        previous = _install_sigint(lambda *_: (stop.append(True), _install_sigint(previous)))
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="pretrain", unit="step",
                    disable=not (self.progress and self.dist.is_main), dynamic_ncols=True)
         start, window_t, window_tokens, last = time.time(), time.time(), 0, {}
