@@ -314,30 +314,28 @@ def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:
 # ---- dedup and decontamination (map, reduce in the driver, map) ---------------------------------------
 
 
+def _run_global(engine: Engine, step: str, run, cfg):
+    """A global step over every ingested shard: ``run(cfg, tasks, root, run_jobs, strict=)`` is
+    :func:`olmoflow.data.dedup.run_dedup` or :func:`olmoflow.data.decontam.run_decontam` (their
+    map phase, the reduce in this driver, and the attribute-writing phase)."""
+    out = engine.step_dir(step)
+    tasks = [{"input": s["path"], "source": s["source"],
+              "output": str(out / _rel(engine, "ingest", s))} for s in _doc_shards(engine)]
+    res = run(cfg, tasks, engine.root, engine.run_jobs, strict=engine.cfg.strict)
+    return _finish(engine, step, tasks, res["results"], relative_shards(out, tasks),
+                   [Path(t["input"]) for t in tasks], res.get("counts"))
+
+
 def run_dedup(engine: Engine):
     from olmoflow.data import dedup
 
-    out = engine.step_dir("dedup")
-    shards = _doc_shards(engine)
-    tasks = [{"input": s["path"], "source": s["source"],
-              "output": str(out / _rel(engine, "ingest", s))} for s in shards]
-    res = dedup.run_dedup(engine.cfg.dedup, tasks, engine.root, engine.run_jobs,
-                          strict=engine.cfg.strict)
-    return _finish(engine, "dedup", tasks, res["results"], relative_shards(out, tasks),
-                   [Path(t["input"]) for t in tasks], res.get("counts"))
+    return _run_global(engine, "dedup", dedup.run_dedup, engine.cfg.dedup)
 
 
 def run_decontaminate(engine: Engine):
     from olmoflow.data import decontam
 
-    out = engine.step_dir("decontaminate")
-    shards = _doc_shards(engine)
-    tasks = [{"input": s["path"], "source": s["source"],
-              "output": str(out / _rel(engine, "ingest", s))} for s in shards]
-    res = decontam.run_decontam(engine.cfg.decontamination, tasks, engine.root, engine.run_jobs,
-                                strict=engine.cfg.strict)
-    return _finish(engine, "decontaminate", tasks, res["results"], relative_shards(out, tasks),
-                   [Path(t["input"]) for t in tasks], res.get("counts"))
+    return _run_global(engine, "decontaminate", decontam.run_decontam, engine.cfg.decontamination)
 
 
 # ---- mix ---------------------------------------------------------------------------------------------
