@@ -108,6 +108,17 @@ def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
     assert all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
 
 
+
+def test_export_from_the_latest_pointer_file(tiny_run, tmp_path, capsys):
+    """``run_dir/pretrain/latest`` (the pointer file a user tab-completes to) exports the checkpoint
+    it names, the same weights as the pretrain folder itself."""
+    from olmoflow.export import resolve_source
+
+    pretrain = tiny_run / "pretrain"
+    assert resolve_source(pretrain / "latest") == resolve_source(pretrain)
+    rc, _, err = cli(capsys, "export", "hf", str(pretrain / "latest"), str(tmp_path / "o"))
+    assert rc == 0, err
+
 def test_export_bad_inputs(tiny_run, tmp_path, capsys):
     step = str(tiny_run / "pretrain" / STEP2)
     rc, _, err = cli(capsys, "export", "hf", str(tmp_path / "missing"), str(tmp_path / "o"))

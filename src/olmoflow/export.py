@@ -6,9 +6,10 @@ The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
 
 Accepted sources:
 
-- a checkpoint directory of a run (``run_dir/pretrain/stage1-step450-tokens29K``, or the older
+- a checkpoint directory of a run (``run_dir/pretrain/stage1-step450-tokens2M``, or the older
   ``stepN``: ``config.yaml`` + ``model_and_optim/`` written by :mod:`olmoflow.train.checkpoint`);
-- a checkpoint folder with a ``latest`` pointer (``run_dir/pretrain``): its newest step;
+- a checkpoint folder with a ``latest`` pointer (``run_dir/pretrain``), or that pointer itself
+  (``run_dir/pretrain/latest``): the checkpoint it names;
 - a Hugging Face directory (e.g. a release): re-exported, optionally in another dtype.
 
 The tokenizer comes from ``--tokenizer`` when given, else from the run directory's ``tokenizer/``
@@ -45,9 +46,11 @@ def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
     p = Path(checkpoint)
     if not p.exists():
         raise OlmoflowError(f"checkpoint '{p}' does not exist")
+    if p.is_file() and p.name == "latest":  # run_dir/pretrain/latest: the pointer it holds
+        p = p.parent
     if not p.is_dir():
         raise OlmoflowError(f"checkpoint '{p}' is not a directory (expected a checkpoint "
-                            "directory such as run_dir/pretrain/stage1-step450-tokens29K)")
+                            "directory such as run_dir/pretrain/stage1-step450-tokens2M)")
     if _is_step_dir(p):
         return "step", p
     if (p / "latest").is_file():
@@ -57,7 +60,7 @@ def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
     if (p / "config.json").is_file():
         return "hf", p
     raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml and "
-                        "model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens29K) or a "
+                        "model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens2M) or a "
                         "Hugging Face directory")
 
 

@@ -306,11 +306,12 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise _unreadable(path, TRAINER_STATE, e) from None
 
 
-def _dcp_load(path: Path, state: dict[str, Any], set_state) -> None:
+def _dcp_load(path: Path, state: dict[str, Any], set_state, *, no_dist: bool = False) -> None:
     """``dcp.load`` into ``state`` then ``set_state(state)``; a damaged or mismatched checkpoint
-    (missing shard or metadata, truncated file, other shapes or names) is one OlmoflowError."""
+    (missing shard or metadata, truncated file, other shapes or names) is one OlmoflowError.
+    ``no_dist``: this process loads alone, even inside a process group (no collectives)."""
     try:
-        dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"))
+        dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"), no_dist=no_dist)
         set_state(state)
     except (Exception, CheckpointException) as e:  # dcp's wrapper is a BaseException
         raise _unreadable(path, "model_and_optim", e) from None
@@ -338,8 +339,10 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
     Raises:
         OlmoflowError: the checkpoint is damaged or holds another model's weights.
     """
+    # Evaluation, generation and release run on rank 0 alone under torchrun while the other ranks
+    # wait: a collective dcp.load would deadlock there, so this whole-model load never uses one.
     _dcp_load(path, {"model": get_model_state_dict(model)},
-              lambda st: set_model_state_dict(model, st["model"]))
+              lambda st: set_model_state_dict(model, st["model"]), no_dist=True)
 
 
 def step_and_tokens(path: Path) -> tuple[int, int]:
