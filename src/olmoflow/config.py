@@ -411,6 +411,24 @@ def resolve_preset(name_or_path: str) -> Path:
     )
 
 
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (empty file: ``{}``).
+
+    Raises:
+        OlmoflowError: invalid YAML (naming ``file:line``), or a top level that is not a mapping.
+    """
+    try:
+        tree = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(tree, dict):
+        raise OlmoflowError(f"{path}: the top level must be a mapping of sections, "
+                            f"got a {type(tree).__name__}")
+    return tree
+
+
 def load_config(name_or_path: str | None = "demo", overrides: list[str] | None = None,
                 values: dict[str, Any] | None = None) -> RunConfig:
     """Load a YAML preset or file, apply dotted overrides, and return a validated RunConfig.
@@ -426,16 +444,7 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
     """
     tree: dict[str, Any] = {}
     if name_or_path:
-        path = resolve_preset(name_or_path)
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        if not isinstance(tree, dict):
-            raise OlmoflowError(f"{path}: the top level must be a mapping of sections, "
-                                f"got a {type(tree).__name__}")
+        tree = read_yaml_mapping(resolve_preset(name_or_path))
     for ov in overrides or []:
         key, value = parse_override(ov)
         _set_dotted(tree, key, value)

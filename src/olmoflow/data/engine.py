@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from olmoflow.artifacts import is_complete, now, read_manifest, sha256_json, write_manifest
-from olmoflow.config import _coerce, _set_dotted, parse_override
+from olmoflow.config import _coerce, _set_dotted, parse_override, read_yaml_mapping
 from olmoflow.data.executor import EXECUTORS, run_shards, sum_stats
 from olmoflow.errors import OlmoflowError, closest, unknown_name_error
 
@@ -199,14 +199,7 @@ def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None
                                 "under configs/data/" + (f"; did you mean '{hint}'?)" if hint
                                                           else ")"))
         p = presets[str(path)]
-    try:
-        tree = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}" if mark else str(p)
-        raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(tree, dict):
-        raise OlmoflowError(f"{p}: the top level must be a mapping")
+    tree = read_yaml_mapping(p)
     for ov in overrides or []:
         _set_dotted(tree, *parse_override(ov))
     for k, v in (values or {}).items():
