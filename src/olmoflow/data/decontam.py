@@ -51,13 +51,10 @@ from olmoflow.data.ngrams import (
 )
 from olmoflow.data.shards import (
     RunJobs,
-    local_runner,
-    DOCUMENTS_DIR,
     WORK_DIR,
-    attribute_path,
     flag_totals,
+    run_global_step,
     doc_level,
-    document_shards,
     input_signature,
     read_records,
     text_bytes,
@@ -418,7 +415,7 @@ def run_decontam(cfg: DecontamConfig | dict[str, Any] | None, tasks: list[dict[s
         tasks: one per documents shard: ``{"input": documents path, "output": attribute file}``.
         root: the data run directory.
         run_jobs: ``run_jobs(step, fn, tasks, phase=...)`` (the engine's, or
-            :func:`olmoflow.data.dedup.local_runner`).
+            :func:`olmoflow.data.shards.local_runner`).
         strict: raise at the first bad line instead of counting it.
 
     Returns:
@@ -482,11 +479,5 @@ def decontaminate(
     Raises:
         OlmoflowError: bad config, missing eval files or documents, bad lines when ``strict``.
     """
-    data_dir = Path(data_dir)
-    tasks = [{"input": str(data_dir / DOCUMENTS_DIR / s),
-              "output": str(attribute_path(data_dir, ATTRIBUTE_SET, s))}
-             for s in document_shards(data_dir)]
-    res = run_decontam(cfg, tasks, data_dir, local_runner(data_dir, executor, workers, progress),
-                       strict=strict)
-    return {**res["counts"], "errors": [e for r in res["results"] for e in r["errors"]],
-            "outputs": [o for r in res["results"] for o in r["outputs"]]}
+    return run_global_step(data_dir, ATTRIBUTE_SET, run_decontam, cfg, executor=executor, workers=workers,
+                           strict=strict, progress=progress)

@@ -47,13 +47,10 @@ from olmoflow.data.executor import task_key
 from olmoflow.data.ngrams import digest128, ngram_hashes, unique_sorted, word_hashes, words
 from olmoflow.data.shards import (
     RunJobs,
-    local_runner,
-    DOCUMENTS_DIR,
     WORK_DIR,
-    attribute_path,
     flag_totals,
+    run_global_step,
     doc_level,
-    document_shards,
     input_signature,
     read_records,
     text_bytes,
@@ -490,7 +487,7 @@ def run_dedup(cfg: DedupConfig | dict[str, Any] | None, tasks: list[dict[str, An
             "output": attribute file to write, ...}`` (other keys are kept in the results).
         root: the data run directory; intermediate files go to ``root/work/dedup``.
         run_jobs: ``run_jobs(step, fn, tasks, phase=...)`` runs shard jobs in order (e.g. the
-            engine's, or :func:`local_runner`).
+            engine's, or :func:`olmoflow.data.shards.local_runner`).
         strict: raise at the first bad line instead of counting it.
 
     Returns:
@@ -557,11 +554,5 @@ def dedup(
     Raises:
         OlmoflowError: bad config, no documents, and bad lines when ``strict``.
     """
-    data_dir = Path(data_dir)
-    tasks = [{"input": str(data_dir / DOCUMENTS_DIR / s),
-              "output": str(attribute_path(data_dir, ATTRIBUTE_SET, s))}
-             for s in document_shards(data_dir)]
-    res = run_dedup(cfg, tasks, data_dir, local_runner(data_dir, executor, workers, progress),
-                    strict=strict)
-    return {**res["counts"], "errors": [e for r in res["results"] for e in r["errors"]],
-            "outputs": [o for r in res["results"] for o in r["outputs"]]}
+    return run_global_step(data_dir, ATTRIBUTE_SET, run_dedup, cfg, executor=executor, workers=workers,
+                           strict=strict, progress=progress)

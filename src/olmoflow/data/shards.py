@@ -183,3 +183,22 @@ def flag_totals(attributes: Iterable[str], results: Iterable[dict[str, Any]]) ->
             totals[a]["documents"] += rec["documents"]
             totals[a]["bytes"] += rec["bytes"]
     return totals
+
+
+def run_global_step(data_dir: str | os.PathLike, attribute_set: str, run: Callable[..., dict[str, Any]],
+                    cfg: Any, *, executor: str, workers: int | None, strict: bool,
+                    progress: bool) -> dict[str, Any]:
+    """A global attribute step (dedup, decontamination) over a Dolma layout outside the engine:
+    one task per ``DIR/documents`` shard writing ``DIR/attributes/<attribute_set>/...``, run by
+    ``run(cfg, tasks, root, run_jobs, strict=)`` through :func:`local_runner`.
+
+    Returns:
+        ``run``'s ``counts`` plus ``errors`` and ``outputs`` (the attribute files), over all shards.
+    """
+    data_dir = Path(data_dir)
+    tasks = [{"input": str(data_dir / DOCUMENTS_DIR / s),
+              "output": str(attribute_path(data_dir, attribute_set, s))}
+             for s in document_shards(data_dir)]
+    res = run(cfg, tasks, data_dir, local_runner(data_dir, executor, workers, progress), strict=strict)
+    return {**res["counts"], "errors": [e for r in res["results"] for e in r["errors"]],
+            "outputs": [o for r in res["results"] for o in r["outputs"]]}
