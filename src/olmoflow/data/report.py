@@ -107,23 +107,23 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
     out.append("Steps")
     out.append(_table(["step", "shards", "docs in", "docs out", "removed", "bytes in",
                        "bytes out", "tokens", "bad input", "in=out+removed"], rows))
-    rule_rows = []
-    for step, m in manifests.items():
-        c = m["counts"]
-        n_in = c.get("documents_in") or 0
-        for rule, r in (c.get("removed") or {}).items():
-            rule_rows.append([step, rule, r.get("documents", 0), r.get("bytes", 0),
-                              r.get("documents", 0) / n_in if n_in else None])
+    def share_rows(key: str) -> list[list]:
+        """Per step, each entry of ``counts[key]`` (removed per rule, flagged per attribute):
+        documents, bytes and the share of the step's input documents."""
+        rows = []
+        for step, m in manifests.items():
+            c = m["counts"]
+            n_in = c.get("documents_in") or 0
+            for name, r in (c.get(key) or {}).items():
+                rows.append([step, name, r.get("documents", 0), r.get("bytes", 0),
+                             r.get("documents", 0) / n_in if n_in else None])
+        return rows
+
+    rule_rows = share_rows("removed")
     if rule_rows:
         out += ["", "Removed per rule",
                 _table(["step", "rule", "documents", "bytes", "% of in"], rule_rows)]
-    flag_rows = []
-    for step, m in manifests.items():
-        c = m["counts"]
-        n_in = c.get("documents_in") or 0
-        for attr, r in (c.get("flagged") or {}).items():
-            flag_rows.append([step, attr, r.get("documents", 0), r.get("bytes", 0),
-                              r.get("documents", 0) / n_in if n_in else None])
+    flag_rows = share_rows("flagged")
     if flag_rows:
         out += ["", "Flagged per attribute (the mixer's rules decide what is removed)",
                 _table(["step", "attribute", "documents", "bytes", "% of in"], flag_rows)]
