@@ -66,6 +66,9 @@ class DistInfo:
         return self.world_size > 1
 
 
+SHUTDOWN_BARRIER_S = 60  # how long a rank waits for its peers at exit
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -125,9 +128,24 @@ def init_from_env() -> DistInfo:
 
 
 def shutdown() -> None:
-    """Leave the process group (registered at exit by :func:`init_from_env`)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (registered at exit by :func:`init_from_env`).
+
+    The ranks first meet at a barrier, so none tears down its connections while another still
+    uses them: rank 0 leaves last (it prints the summary and samples), and a gloo rank that
+    destroyed its group under a peer still talking aborted at exit ("terminate called without an
+    active exception", exit -6) after all the work was done. The barrier is bounded (gloo's
+    monitored barrier) so a rank that died does not hold the others at exit.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_BARRIER_S))
+        else:
+            dist.barrier()
+    except Exception:  # a peer is gone: leave anyway
+        pass
+    dist.destroy_process_group()
 
 
 def is_main() -> bool:
