@@ -75,7 +75,7 @@ def loader(work: Path, args):
 def ours_stepper(work: Path, args, total: int):
     """Our ``Trainer`` (its ``train_step``: lr schedule, accumulation, clipping, fused AdamW) fed
     by our ``DataLoader``, one global batch per call."""
-    from olmoflow.config import TrainConfig
+    from olmoflow.train.config import TrainConfig
     from olmoflow.model.olmo import Olmo
     from olmoflow.train.trainer import Trainer
 

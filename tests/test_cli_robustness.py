@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from olmoflow.config import load_config
+from olmoflow.pipeline.config import load_config
 from olmoflow.errors import OlmoflowError
 from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 

@@ -59,8 +59,8 @@ def test_model_info_unknown_preset(capsys):
 
 
 def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
-    from olmoflow.config import load_config
-    from olmoflow.stages import load_trained_model
+    from olmoflow.pipeline.config import load_config
+    from olmoflow.pipeline.stages.common import load_trained_model
     from olmoflow.tokenizer import Tokenizer
 
     out = tmp_path / "hf"

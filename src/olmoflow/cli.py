@@ -25,7 +25,7 @@ import os
 import sys
 
 from olmoflow.errors import OlmoflowError
-from olmoflow.stages import STAGES
+from olmoflow.pipeline.stages import STAGES
 
 EXIT_USAGE = 2
 
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
     common(sub.add_parser("run", help="run every stage of the flow"))
     for stage in STAGES:
-        sp = sub.add_parser(stage.name, help=f"run the {stage.name} stage")
+        sp = sub.add_parser(stage.name, help=stage.help or f"run the {stage.name} stage")
         common(sp)
         if stage.name == "generate":
             sp.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -102,7 +102,7 @@ TOOL_VERBS = ("model", "export", "data", "plot", "plan")
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from olmoflow.config import load_config
+    from olmoflow.pipeline.config import load_config
     from olmoflow.train.plan import plan_config
 
     print(plan_config(load_config(args.config, args.overrides), args.gpus, args.gpu_memory_gb))
@@ -185,8 +185,8 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides += rest
     _split_config_arg(args)
-    from olmoflow.config import load_config
-    from olmoflow.pipeline import run_pipeline
+    from olmoflow.pipeline.config import load_config
+    from olmoflow.pipeline.runner import run_pipeline
 
     values: dict = {}
     if args.data:

@@ -87,7 +87,7 @@ def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) ->
 def load_step_model(step: Path, tokenizer_vocab: int):
     """The :class:`Olmo` of a step directory: its ``config.yaml`` shape, weights from
     ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32)."""
-    from olmoflow.config import load_config
+    from olmoflow.pipeline.config import load_config
     from olmoflow.model.olmo import Olmo
     from olmoflow.train.checkpoint import load_model
 

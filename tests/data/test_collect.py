@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from olmoflow.config import CollectConfig
+from olmoflow.data.config import CollectConfig
 from olmoflow.data.documents import DOCUMENTS, read_documents, write_documents
 from olmoflow.data.sources import collect
 from olmoflow.errors import OlmoflowError

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.config import TrainConfig
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import (PAD_DOCUMENT, Batch, DataLoader, InstanceDataset, PackedDataset,
                                   build_dataset, open_documents)
 from olmoflow.errors import OlmoflowError

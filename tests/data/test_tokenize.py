@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmoflow.config import TokenizeConfig, TokenizerConfig
+from olmoflow.data.config import TokenizeConfig
+from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.data.tokenize import (
     check_part,
     choose_heldout,

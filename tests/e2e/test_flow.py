@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from olmoflow.cli import main
-from olmoflow.stages import STAGES
+from olmoflow.pipeline.stages import STAGES
 from olmoflow.train.checkpoint import checkpoint_name
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmoflow.config import TrainConfig
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.config import TrainConfig, load_config
+from olmoflow.pipeline.config import load_config
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig

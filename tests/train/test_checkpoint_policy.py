@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from olmoflow.config import load_config
+from olmoflow.pipeline.config import load_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.train.checkpoint import (
     INDEX,
@@ -147,7 +147,7 @@ def test_top_level_resume_from_is_train_resume_from():
 
 
 def test_resume_from_does_not_change_the_pretrain_fingerprint(tmp_path):
-    from olmoflow.pipeline import fingerprint
+    from olmoflow.pipeline.runner import fingerprint
 
     base = load_config("tiny", values={"run_dir": str(tmp_path)})
     again = load_config("tiny", ["resume_from=latest"], values={"run_dir": str(tmp_path)})

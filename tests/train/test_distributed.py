@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.config import TrainConfig
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo

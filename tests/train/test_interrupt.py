@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from olmoflow.cli import main
-from olmoflow.config import load_config
+from olmoflow.pipeline.config import load_config
 from olmoflow.export import load_step_model
-from olmoflow.pipeline import run_pipeline
+from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.tokenizer import Tokenizer
 from olmoflow.train.checkpoint import parse_checkpoint_name, resolve_checkpoint
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.config import TrainConfig
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.attention import AttentionMask

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from olmoflow.cli import main
-from olmoflow.config import load_config
+from olmoflow.pipeline.config import load_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from olmoflow.cli import main
-from olmoflow.config import TrainConfig
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo

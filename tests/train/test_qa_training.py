@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from olmoflow.cli import main
-from olmoflow.config import TrainConfig, load_config
+from olmoflow.pipeline.config import load_config
+from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.train import distributed
@@ -251,7 +252,7 @@ def test_a_stage_directory_that_is_a_file_is_a_user_error(tmp_path, capsys):
 def test_force_with_resume_from_deletes_nothing(tmp_path):
     """`pretrain --force resume_from=latest` used to delete every checkpoint, then fail: nothing
     left to resume from."""
-    from olmoflow.pipeline import run_stage
+    from olmoflow.pipeline.runner import run_stage
 
     make_trainer(tmp_path / "pretrain", 27, 0.0, max_steps=2, save_interval=0).fit()
     before = tree_digest(tmp_path / "pretrain")
@@ -264,14 +265,15 @@ def test_force_with_resume_from_deletes_nothing(tmp_path):
 def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path):
     """An interrupted run whose checkpoint policy, log or thread settings change resumes; before,
     the changed fingerprint deleted every checkpoint and trained again from step 0."""
-    from olmoflow.pipeline import TRAIN_BOOKKEEPING, fingerprint
+    from olmoflow.pipeline.runner import fingerprint
+    from olmoflow.pipeline.stages.train import TRAIN_BOOKKEEPING
 
     values = {"run_dir": str(tmp_path)}
     base = fingerprint(load_config("tiny", values=values), "pretrain")
     same = ["train.keep_last=2", "train.keep_every=10", "train.save_interval=3", "train.log_interval=1",
             "train.num_threads=1", "train.detailed_log_interval=5", "train.loggers=[tensorboard]",
             "resume_from=latest"]
-    assert {o.split("=")[0].removeprefix("train.") for o in same} == set(TRAIN_BOOKKEEPING)
+    assert {"train." + o.split("=")[0].removeprefix("train.") for o in same} == set(TRAIN_BOOKKEEPING)
     for override in same:
         assert fingerprint(load_config("tiny", [override], values=values), "pretrain") == base, override
     for override in ["train.max_steps=31", "train.lr=1e-3", "train.optimizer=muon", "train.packing=best_fit",

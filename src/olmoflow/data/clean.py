@@ -16,7 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from olmoflow.artifacts import StageResult
-from olmoflow.config import CleanConfig
+from olmoflow.data.config import CleanConfig
 from olmoflow.data.documents import DOCUMENTS, read_documents, write_documents
 from olmoflow.errors import OlmoflowError
 

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from olmoflow.artifacts import is_complete, now, read_manifest, sha256_json, write_manifest
-from olmoflow.config import _coerce, _set_dotted, parse_override, read_yaml_mapping
+from olmoflow.config import coerce as _coerce, parse_override, read_yaml_mapping, set_dotted as _set_dotted
 from olmoflow.data.executor import EXECUTORS, run_shards, sum_stats
 from olmoflow.errors import OlmoflowError, closest, unknown_name_error
 

@@ -38,7 +38,7 @@ from olmoflow.data.readers import (
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 if TYPE_CHECKING:
-    from olmoflow.config import CollectConfig
+    from olmoflow.data.config import CollectConfig
 
 __all__ = ["STDLIB", "SUFFIXES", "INGEST_OPTIONS", "collect", "source_files", "plan_inputs",
            "ingest_tasks", "ingest_shard", "python_version"]

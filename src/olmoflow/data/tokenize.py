@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from olmoflow.artifacts import StageResult, atomic_open, atomic_write_json, data_files
-from olmoflow.config import TokenizeConfig
+from olmoflow.data.config import TokenizeConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BaseTokenizer, Tokenizer

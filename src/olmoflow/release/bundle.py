@@ -22,7 +22,7 @@ from olmoflow.artifacts import (
     git_commit,
     read_manifest,
 )
-from olmoflow.config import RunConfig, dump_config
+from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.model.hf import save_hf_dir
 from olmoflow.tokenizer import copy_tokenizer_files
 from olmoflow.train.checkpoint import list_checkpoints

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from olmoflow.artifacts import StageResult, data_files
-from olmoflow.config import TokenizerConfig
+from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BPETokenizer, tokenizer_class

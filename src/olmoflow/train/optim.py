@@ -134,7 +134,7 @@ def muon_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg):
-    """The optimizer ``cfg.optimizer`` names (a :class:`~olmoflow.config.TrainConfig`).
+    """The optimizer ``cfg.optimizer`` names (a :class:`~olmoflow.train.config.TrainConfig`).
 
     Returns a ``torch.optim.AdamW``, a :class:`SkipStepAdamW`, or for ``muon`` an
     :class:`OptimizerList` of ``[AdamW (embeddings, lm_head, norms), torch.optim.Muon (hidden

@@ -1,0 +1,90 @@
+"""A run's configuration: the sections of every package the flow runs, composed.
+
+``RunConfig`` holds one section per part of the flow, each defined beside its code
+(:mod:`olmoflow.data.config`, :mod:`olmoflow.tokenizer.config`, :mod:`olmoflow.model.config`,
+:mod:`olmoflow.train.config`, ...). :func:`load_config` reads a YAML file or a preset name (``demo``
+means ``configs/demo.yaml``), applies dotted ``key=value`` overrides and builds it with the one
+parser of :mod:`olmoflow.config`. The resolved config is saved with every run
+(``run_dir/config.yaml``), in every manifest and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from olmoflow.config import all_keys, from_dict, load_tree, set_dotted, to_yaml
+from olmoflow.data.config import CleanConfig, CollectConfig, TokenizeConfig
+from olmoflow.errors import OlmoflowError
+from olmoflow.eval.config import EvalConfig
+from olmoflow.infer.config import GenerateConfig
+from olmoflow.model.config import ModelConfig
+from olmoflow.release.config import ReleaseConfig
+from olmoflow.tokenizer.config import TokenizerConfig
+from olmoflow.train.config import TrainConfig
+
+
+@dataclass
+class RunConfig:
+    """A whole run of the flow: one section per stage, a run directory and a seed."""
+
+    run_dir: str = "runs/demo"
+    seed: int = 42
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    def __post_init__(self) -> None:
+        # Checks across sections, made before any stage runs (not after minutes of training).
+        if not str(self.run_dir).strip():
+            raise OlmoflowError("run_dir is empty")
+        limit = self.model.max_sequence_length
+        if self.train.sequence_length > limit:
+            raise OlmoflowError(f"train.sequence_length={self.train.sequence_length} exceeds "
+                                f"model.max_sequence_length={limit}")
+        if (self.evaluate.sequence_length or 0) > limit:
+            raise OlmoflowError(f"evaluate.sequence_length={self.evaluate.sequence_length} exceeds "
+                                f"model.max_sequence_length={limit}")
+
+    @property
+    def eval_sequence_length(self) -> int:
+        """Tokens per evaluation window: ``evaluate.sequence_length``, else the training length."""
+        return self.evaluate.sequence_length or self.train.sequence_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The resolved dict of one section (used in stage fingerprints)."""
+        return dataclasses.asdict(getattr(self, name))
+
+
+def load_config(name_or_path: str | None = "demo", overrides: list[str] | None = None,
+                values: dict[str, Any] | None = None) -> RunConfig:
+    """Load a YAML preset or file, apply dotted overrides, and return a validated RunConfig.
+
+    ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
+    Python values, applied last (what CLI flags such as ``--data`` set). A top-level
+    ``resume_from`` (``olmoflow pretrain CONFIG resume_from=latest``, the form OLMo's docs use) is
+    ``train.resume_from``: ``latest``, a checkpoint directory, or ``stepN``.
+
+    Raises:
+        OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
+            value of the wrong type.
+    """
+    tree = load_tree(name_or_path, overrides, values)
+    if "resume_from" in tree:  # OLMo's docs resume with a top-level key; it means train.resume_from
+        set_dotted(tree, "train.resume_from", tree.pop("resume_from"))
+    return from_dict(RunConfig, tree, universe=all_keys(RunConfig))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML text."""
+    return to_yaml(cfg)

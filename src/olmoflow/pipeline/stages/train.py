@@ -1,0 +1,51 @@
+"""The training stages: pretraining."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from olmoflow.artifacts import StageResult, data_files
+from olmoflow.pipeline.config import RunConfig, dump_config
+from olmoflow.pipeline.stage import Stage, Trains
+from olmoflow.pipeline.stages.common import build_model, load_tokenizer, stage_dir, token_split
+
+
+def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.loader import DataLoader, build_dataset, index_path
+    from olmoflow.train.distributed import build_on_rank
+    from olmoflow.train.trainer import METRICS, Trainer
+
+    out = stage_dir(cfg, "pretrain")
+    tok = load_tokenizer(cfg)
+    paths, dtype = token_split(cfg, "train")
+    t = cfg.train
+    dataset = build_dataset(t.packing, paths, dtype, t.sequence_length, cfg.seed,
+                            t.intra_document_masking, pad_token_id=tok.pad_token_id)
+    loader = DataLoader(dataset, t.global_batch_size, seed=cfg.seed,
+                        intra_document_masking=t.intra_document_masking)
+    if t.packing != "concat" or t.intra_document_masking:  # the document indexes are read too
+        paths = paths + [index_path(p) for p in paths]
+    # Under torchrun + FSDP a model too big for every process is built on the meta device and
+    # only this rank's shards are allocated; one process trains on the GPU when there is one.
+    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size), t.data_parallel)
+    trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
+    summary = trainer.fit()
+    final = Path(summary["checkpoint"])
+    outputs = data_files(final) + [out / METRICS, out / "latest"]
+    counts = {**summary, "parameters": model.num_params(), "instances": len(dataset),
+              "packing_efficiency": round(dataset.packing_efficiency, 4),
+              "epochs": round(summary["steps"] * t.global_batch_size / len(dataset), 3)}
+    return StageResult(inputs=paths, outputs=outputs, counts=counts)
+
+
+# train.* keys that change how a run is kept, logged or scheduled on the machine, not the weights it
+# makes: changing one resumes an interrupted run (and leaves a complete one complete) instead of
+# deleting its checkpoints and training again from step 0.
+TRAIN_BOOKKEEPING = tuple(f"train.{k}" for k in (
+    "resume_from", "save_interval", "log_interval", "keep_every", "keep_last", "num_threads",
+    "detailed_log_interval", "loggers"))
+
+PRETRAIN = Stage("pretrain", run_pretrain, ("model", "train", "seed"), ("tokenize",),
+                 ("parameters", "steps", "tokens", "final_loss", "packing_efficiency"),
+                 help="pretrain the model", ignore=TRAIN_BOOKKEEPING,
+                 trains=Trains(resume_key="train.resume_from"))
