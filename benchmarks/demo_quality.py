@@ -36,9 +36,11 @@ NOMINAL_STEPS = 10_000  # the time budget is mapped onto this many schedule step
 def timed_lr(cfg, started: float, budget_s: float) -> float:
     """The config's schedule evaluated at the elapsed fraction of the time budget."""
     frac = min(1.0, (time.time() - started) / budget_s)
-    warm = cfg.warmup_steps / max(cfg.max_steps, 1)  # keep the config's warmup fraction
-    return lr_at(int(frac * NOMINAL_STEPS), lr=cfg.lr, warmup_steps=int(warm * NOMINAL_STEPS),
-                 max_steps=NOMINAL_STEPS, min_lr_ratio=cfg.min_lr_ratio, schedule=cfg.schedule)
+    s = cfg.schedule
+    warm = s.warmup_steps / max(cfg.max_steps, 1)  # keep the config's warmup fraction
+    return lr_at(int(frac * NOMINAL_STEPS), lr=cfg.optimizer.lr,
+                 warmup_steps=int(warm * NOMINAL_STEPS), max_steps=NOMINAL_STEPS,
+                 min_lr_ratio=s.min_lr_ratio, schedule=s.type)
 
 
 def train_ours(model, cfg, loader, budget_s, workdir):
@@ -48,13 +50,13 @@ def train_ours(model, cfg, loader, budget_s, workdir):
     losses = []
     while time.time() - started < budget_s:
         batch = loader.next_batch()
-        losses.append(trainer.train_step(batch.input_ids, batch.labels)["loss"])
+        losses.append(trainer.train_step(batch)["loss"])
     return trainer.step, trainer.tokens_seen, time.time() - started, losses
 
 
 def train_transformers(model, cfg, loader, budget_s):
     """A plain transformers training loop: model(input_ids, labels) -> loss, backward, AdamW."""
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg.optimizer)
     started, steps, tokens, losses = time.time(), 0, 0, []
     while time.time() - started < budget_s:
         batch = loader.next_batch()
@@ -69,7 +71,7 @@ def train_transformers(model, cfg, loader, budget_s):
             loss = model(input_ids=mb_ids, labels=mb_labels, shift_labels=mb_labels).loss * (n_mb / n_targets)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps, tokens = steps + 1, tokens + ids.numel()

@@ -59,7 +59,8 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """nanoGPT's estimate: ``6 N + 12 * sum over layers of n_heads * head_dim * ctx``."""
     n = cfg.num_params() - cfg.vocab_size * cfg.d_model  # the input embedding does no matmul
-    attn = sum(12 * cfg.n_heads * cfg.hd * min(seq, cfg.window(i) or seq) for i in range(cfg.n_layers))
+    attn = sum(12 * cfg.n_heads * cfg.hd * min(seq, cfg.window(i) or seq)
+               for i in range(cfg.n_layers))
     return 6 * n + attn
 
 
@@ -83,7 +84,8 @@ def train_step_fn(model, ids, labels, hf: bool):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a Hugging Face OLMo directory (default: runs/demo/release if present)")
+    ap.add_argument("--model",
+                    help="a Hugging Face OLMo directory (default: runs/demo/release if present)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -111,7 +113,8 @@ def main() -> None:
     V = cfg.vocab_size
     print(f"weights: {where}; {type(theirs).__name__}; {ours.num_params():,} parameters; "
           f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, window "
-          f"{cfg.sliding_window}; torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{cfg.sliding_window}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")
 
     from olmoflow.infer.generate import generate
@@ -119,7 +122,7 @@ def main() -> None:
     rows: list[tuple[str, float, float, str]] = []  # metric, ours, theirs, unit
     R = args.repeats
 
-    # --- prefill ------------------------------------------------------------------------------------
+    # --- prefill --------------------------------------------------------------------------------
     ids = torch.randint(0, V, (8, 256))
     with torch.no_grad():
         t_o, t_t = float("inf"), float("inf")
@@ -128,7 +131,7 @@ def main() -> None:
             t_t = min(t_t, best_time(lambda: theirs(input_ids=ids, use_cache=False), R))
     rows.append(("prefill b8x256 (tok/s)", ids.numel() / t_o, ids.numel() / t_t, ""))
 
-    # --- decode ---------------------------------------------------------------------------------------
+    # --- decode ---------------------------------------------------------------------------------
     n_new = args.new_tokens
     same = {}
     for b in (1, 8):
@@ -136,10 +139,12 @@ def main() -> None:
         mask = torch.ones_like(prompt)
         out_o, out_t = {}, {}
 
-        def run_ours():
+        # This iteration's prompt and outputs are bound as defaults: each closure runs in its own
+        # iteration, and the binding says so.
+        def run_ours(prompt=prompt, out_o=out_o):
             out_o["x"] = generate(ours, prompt, max_new_tokens=n_new)
 
-        def run_theirs():
+        def run_theirs(prompt=prompt, mask=mask, out_t=out_t):
             with torch.no_grad():
                 out_t["x"] = theirs.generate(prompt, attention_mask=mask, do_sample=False,
                                              max_new_tokens=n_new, min_new_tokens=n_new,
@@ -155,7 +160,7 @@ def main() -> None:
         if b == 1:
             # The same decode with torch.compile over a static-shape cache; the warm-up call of
             # best_time absorbs the compilation (~10 s here), as a server would before serving.
-            def run_compiled():
+            def run_compiled(prompt=prompt, out_o=out_o):
                 out_o["c"] = generate(ours, prompt, max_new_tokens=n_new, compile=True)
 
             t_c = float("inf")
@@ -164,7 +169,7 @@ def main() -> None:
             assert torch.equal(out_o["c"], out_o["x"])  # compiled decode emits the same tokens
             rows.append((f"decode b1 x{n_new} compiled (new tok/s)", n_new / t_c, n_new / t_t, ""))
 
-    # --- train step (last: it changes the weights; each side trains its own copy) --------------------
+    # --- train step (last: it changes the weights; each side trains its own copy) --------------
     ids = torch.randint(0, V, (16, 256))
     labels = torch.randint(0, V, (16, 256))
     # Alternate the two sides (o, t, o, t) and keep each one's best: on a shared machine the load

@@ -62,7 +62,8 @@ def rss_gb() -> float:
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 1e9
 
 
 def loader(work: Path, args):
@@ -75,22 +76,30 @@ def loader(work: Path, args):
 def ours_stepper(work: Path, args, total: int):
     """Our ``Trainer`` (its ``train_step``: lr schedule, accumulation, clipping, fused AdamW) fed
     by our ``DataLoader``, one global batch per call."""
-    from olmoflow.train.config import TrainConfig
     from olmoflow.model.olmo import Olmo
+    from olmoflow.train.config import (
+        CheckpointConfig,
+        LogConfig,
+        OptimizerConfig,
+        ScheduleConfig,
+        TrainConfig,
+    )
     from olmoflow.train.trainer import Trainer
 
     model = Olmo.from_pretrained(work / "hf", dtype=torch.float32)
     cfg = TrainConfig(sequence_length=args.seq, global_batch_size=args.batch,
-                      micro_batch_size=args.micro_batch, max_steps=total, lr=LR,
-                      warmup_steps=WARMUP_STEPS, save_interval=0, log_interval=1,
-                      num_threads=args.threads, compile=args.compile)
+                      micro_batch_size=args.micro_batch, max_steps=total,
+                      num_threads=args.threads, compile=args.compile,
+                      optimizer=OptimizerConfig(lr=LR),
+                      schedule=ScheduleConfig(warmup_steps=WARMUP_STEPS),
+                      checkpoint=CheckpointConfig(save_interval=0), log=LogConfig(interval=1))
     data = loader(work, args)
     trainer = Trainer(model, cfg, data, Path(tempfile.mkdtemp(dir=work)), progress=False)
     model.train()
 
     def step() -> float:
         batch = data.next_batch()
-        return trainer.train_step(batch.input_ids, batch.labels, batch.doc_ids)["ce_loss"]
+        return trainer.train_step(batch)["ce_loss"]
 
     return step
 
@@ -108,7 +117,8 @@ def transformers_stepper(work: Path, args, total: int):
     model.train()
     decay = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     groups = [{"params": [p for p in model.parameters() if id(p) in decay], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if id(p) not in decay], "weight_decay": 0.0}]
+              {"params": [p for p in model.parameters() if id(p) not in decay],
+               "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(
         s, lr=LR, warmup_steps=WARMUP_STEPS, max_steps=total, min_lr_ratio=0.1,
@@ -123,7 +133,8 @@ def transformers_stepper(work: Path, args, total: int):
         for mb_ids, mb_labels in zip(ids.split(args.micro_batch), labels.split(args.micro_batch)):
             n_mb = int((mb_labels != IGNORE_INDEX).sum())
             # labels are already next-token aligned: shift_labels keeps transformers from shifting
-            loss = model(input_ids=mb_ids, labels=mb_labels, shift_labels=mb_labels).loss * (n_mb / n)
+            out = model(input_ids=mb_ids, labels=mb_labels, shift_labels=mb_labels)
+            loss = out.loss * (n_mb / n)
             loss.backward()
             ce += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -227,7 +238,8 @@ def main() -> None:
         print(f"model: {model.num_params():,} parameters (d_model {cfg.d_model}, {cfg.n_layers} "
               f"layers, {cfg.n_heads} heads, window {cfg.sliding_window}); batch {args.batch}x"
               f"{args.seq} (micro-batch {args.micro_batch}); {args.warmup}+{args.steps} steps per "
-              f"side; ours {'compiled per block' if args.compile else 'eager'}; torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"side; ours {'compiled per block' if args.compile else 'eager'}; "
+              f"torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{args.threads} threads", flush=True)
         del model
         peaks = [matmul_peak("cpu", torch.float32, n=2048, repeats=5)]
@@ -253,11 +265,13 @@ def main() -> None:
         ("tokens per CPU-second (median)", cpu["ours"], cpu["transformers"], ".0f"),
         ("MFU (% of matmul peak, median step)", 100 * med["ours"] * fpt / peak,
          100 * med["transformers"] * fpt / peak, ".2f"),
-        ("peak RSS (GB)", memory["ours"]["peak_rss_gb"], memory["transformers"]["peak_rss_gb"], ".3f"),
+        ("peak RSS (GB)", memory["ours"]["peak_rss_gb"], memory["transformers"]["peak_rss_gb"],
+         ".3f"),
         ("peak RSS above imports (GB)",
          memory["ours"]["peak_rss_gb"] - memory["ours"]["base_rss_gb"],
          memory["transformers"]["peak_rss_gb"] - memory["transformers"]["base_rss_gb"], ".3f"),
-        ("final CE loss", steps["ours"][-1]["ce_loss"], steps["transformers"][-1]["ce_loss"], ".4f"),
+        ("final CE loss", steps["ours"][-1]["ce_loss"], steps["transformers"][-1]["ce_loss"],
+         ".4f"),
     ]
     print(f"\nmatmul peak (fp32 2048^3 torch.mm, {args.threads} threads, best of 3 x 5): "
           f"{peak / 1e9:.1f} GFLOP/s; train FLOPs/token {fpt / 1e6:.2f} M (6N + attention); "

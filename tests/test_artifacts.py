@@ -1,7 +1,9 @@
-"""Atomic writes: a failed write leaves the old file; a finished one has ordinary permissions."""
+"""Atomic writes: a failed write leaves the old file; a finished one has ordinary permissions.
+Manifests name their files so that they can be followed back."""
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +28,24 @@ def test_written_file_has_the_mode_open_would_give(tmp_path):
     atomic = tmp_path / "atomic.txt"
     atomic_write_text(atomic, "x")
     assert stat.S_IMODE(os.stat(atomic).st_mode) == stat.S_IMODE(os.stat(plain).st_mode)
+
+
+def test_manifest_paths_are_relative_inside_the_parent_and_absolute_outside(tmp_path,
+                                                                            monkeypatch):
+    import json
+
+    from olmoflow.artifacts import write_manifest
+
+    (tmp_path / "run" / "up").mkdir(parents=True)
+    (tmp_path / "run" / "up" / "a.txt").write_text("a")
+    (tmp_path / "outside.txt").write_text("b")
+    out = tmp_path / "run" / "step"
+    out.mkdir()
+    (out / "c.txt").write_text("c")
+    monkeypatch.chdir(tmp_path / "run")  # inputs given relative to the working directory
+    write_manifest(out, stage="s", command="", config={}, fingerprint="f",
+                   inputs=[Path("up/a.txt"), Path("../outside.txt")], outputs=[out / "c.txt"],
+                   counts={}, started="")
+    m = json.loads((out / "manifest.json").read_text())
+    assert [r["path"] for r in m["inputs"]] == ["up/a.txt", str(tmp_path / "outside.txt")]
+    assert m["outputs"][0]["path"] == "c.txt"

@@ -16,7 +16,8 @@ from olmoflow.cli import main
 
 
 def doc_text(i: int) -> str:
-    return f"Document number {i} talks about the weather, the sea and the ships of the harbour. " * 2
+    return (f"Document number {i} talks about the weather, the sea and the ships of the "
+            "harbour. ") * 2
 
 
 def write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
@@ -59,7 +60,7 @@ def corpus(tmp_path) -> Path:
     return write_jsonl(tmp_path / "corpus.jsonl", [{"text": doc_text(i)} for i in range(8)])
 
 
-# --- bad input: one line, exit 2 -------------------------------------------------------------------
+# --- bad input: one line, exit 2 ---------------------------------------------------------------
 
 
 def test_missing_data_path(tmp_path, capsys):
@@ -141,13 +142,15 @@ def test_truncated_gzip_keeps_documents_before_the_damage(tmp_path, capsys):
     with gzip.open(run / "collect" / "documents.jsonl.gz", "rt") as f:
         texts = [json.loads(line)["text"] for line in f]
     kept = len(texts) - 1
-    assert texts[:kept] == [r["text"] for r in rows[:kept]], "the documents before the damage, intact"
+    assert texts[:kept] == [r["text"] for r in rows[:kept]], \
+        "the documents before the damage, intact"
     assert texts[-1] == doc_text(1000)
 
 
 def test_truncated_gzip_with_strict_is_an_error(tmp_path, capsys):
-    whole = gzip.compress(b"".join(json.dumps({"text": doc_text(i) + os.urandom(100).hex()}).encode()
-                                   + b"\n" for i in range(100)))
+    lines = (json.dumps({"text": doc_text(i) + os.urandom(100).hex()}).encode() + b"\n"
+             for i in range(100))
+    whole = gzip.compress(b"".join(lines))
     data = tmp_path / "damaged.jsonl.gz"
     data.write_bytes(whole[: len(whole) // 2])
     rc, _, err = cli(capsys, "collect", "tiny", "--strict", "--data", str(data), "--run-dir",

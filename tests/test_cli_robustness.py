@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from olmoflow.pipeline.config import load_config
-from olmoflow.errors import OlmoflowError
 from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
-FAST = ("--no-progress", "train.max_steps=4", "train.save_interval=2", "train.num_threads=1")
+from olmoflow.errors import OlmoflowError
+from olmoflow.pipeline.config import load_config
+
+FAST = ("--no-progress", "train.max_steps=4", "train.checkpoint.save_interval=2",
+        "train.num_threads=1")
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,11 @@ def run(tmp_path_factory):
     ("train.sequence_length=512", "exceeds model.max_sequence_length"),
     ("evaluate.sequence_length=100000", "exceeds model.max_sequence_length"),
     ("train=null", "config section 'train' is empty"),
-    ("train.schedule=cosin", "did you mean 'cosine'"),
+    ("train.schedule.type=cosin", "did you mean 'cosine'"),
 ])
 def test_config_errors_before_any_stage(tmp_path, capsys, override, fragment):
-    rc, _, err = cli(capsys, "run", "tiny", "--run-dir", str(tmp_path / "r"), override, "--no-progress")
+    rc, _, err = cli(capsys, "run", "tiny", "--run-dir", str(tmp_path / "r"), override,
+                     "--no-progress")
     assert_one_line_error(rc, err, fragment)
     assert not (tmp_path / "r" / "collect").exists()  # nothing ran
 
@@ -41,8 +43,8 @@ def test_config_errors_before_any_stage(tmp_path, capsys, override, fragment):
 def test_yaml_values_users_write(tmp_path):
     with pytest.raises(OlmoflowError, match="run_dir is empty"):
         load_config("tiny", ["run_dir=''"])
-    cfg = load_config("tiny", ["train.lr=1e-3", "train={max_steps: 7}"])
-    assert cfg.train.lr == 1e-3
+    cfg = load_config("tiny", ["train.optimizer.lr=1e-3", "train={max_steps: 7}"])
+    assert cfg.train.optimizer.lr == 1e-3
     assert cfg.train.max_steps == 7 and cfg.train.sequence_length == 64  # merged, not replaced
     bad = tmp_path / "list.yaml"
     bad.write_text("- a\n- b\n")
@@ -67,7 +69,8 @@ def test_literal_special_tokens_stay_text(tmp_path, capsys):
                          str(tmp_path / "r"), "--no-progress", "tokenize.heldout_fraction=0.5")
         assert rc == 0, err
     meta = json.loads((tmp_path / "r" / "tokens" / "meta.json").read_text())
-    tokens = np.memmap(tmp_path / "r" / "tokens" / "train" / "part-00000.npy", dtype=meta["dtype"], mode="r")
+    tokens = np.memmap(tmp_path / "r" / "tokens" / "train" / "part-00000.npy",
+                       dtype=meta["dtype"], mode="r")
     # exactly one EOS per document (the one the pipeline appends), and no pad token at all
     assert int((tokens == meta["eos_token_id"]).sum()) == meta["splits"]["train"]["documents"]
     assert int((tokens == meta["pad_token_id"]).sum()) == 0
@@ -92,7 +95,8 @@ def test_deleted_latest_pointer_is_repaired(run, capsys):
     data = ("--data", str(run.parent / "c.jsonl"))  # the fixture's corpus: same fingerprints
     rc, out, err = cli(capsys, "run", "tiny", "--run-dir", str(run), *data, *FAST)
     assert rc == 0, err
-    assert "[collect] skipped" in out and "[pretrain] resumed" in out  # repaired from step4, not trained again
+    # repaired from step4, not trained again
+    assert "[collect] skipped" in out and "[pretrain] resumed" in out
     assert (run / "pretrain" / "latest").read_text().strip() == "stage1-step4-tokens3K"
     rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(run), "--force", *FAST)
     assert rc == 0, err
@@ -100,7 +104,8 @@ def test_deleted_latest_pointer_is_repaired(run, capsys):
 
 def test_failed_first_stage_leaves_no_run_dir(tmp_path, capsys):
     run = tmp_path / "nothing"
-    rc, _, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "hi", "--no-progress")
+    rc, _, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "hi",
+                     "--no-progress")
     assert_one_line_error(rc, err, "run 'olmoflow")
     assert not run.exists()
 
@@ -113,10 +118,11 @@ def test_checkpoints_of_another_config_are_never_deleted_implicitly(tmp_path, ca
     assert cli(capsys, "run", *base)[0] == 0
     pretrain = tmp_path / "run" / "pretrain"
     before = sorted(p.name for p in pretrain.iterdir())
-    rc, _, err = cli(capsys, "pretrain", *base, "train.lr=1e-3")
+    rc, _, err = cli(capsys, "pretrain", *base, "train.optimizer.lr=1e-3")
     assert_one_line_error(rc, err, "resume_from=latest")
     assert sorted(p.name for p in pretrain.iterdir()) == before, "nothing was deleted"
-    rc, out, _ = cli(capsys, "pretrain", *base, "train.lr=1e-3", "train.max_steps=6", "resume_from=latest")
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.optimizer.lr=1e-3", "train.max_steps=6",
+                     "resume_from=latest")
     assert rc == 0 and "[pretrain] resumed" in out
-    rc, out, _ = cli(capsys, "pretrain", *base, "train.lr=2e-3", "--force")
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.optimizer.lr=2e-3", "--force")
     assert rc == 0 and "[pretrain] ran" in out

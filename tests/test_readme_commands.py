@@ -58,14 +58,15 @@ def test_launch_md_memory_tables_match_olmoflow_plan(preset, gpus):
 
 
 def test_whole_flow_under_torchrun_matches_one_process(tmp_path):
-    """`torchrun --nproc_per_node=2 -m olmoflow run tiny train.data_parallel=fsdp` finishes.
+    """`torchrun --nproc_per_node=2 -m olmoflow run tiny train.parallel.data_parallel=fsdp`
+    finishes.
 
     Regression: evaluate/generate/release run on rank 0 alone while rank 1 waits; loading the
     checkpoint with a collective ``dcp.load`` deadlocked there. The two-process run must also give
     the one-process held-out loss and generated text.
     """
-    args = ["run", "tiny", "train.data_parallel=fsdp", "train.max_steps=3",
-            "train.save_interval=3", "--no-progress"]
+    args = ["run", "tiny", "train.parallel.data_parallel=fsdp", "train.max_steps=3",
+            "train.checkpoint.save_interval=3", "--no-progress"]
     one = _olmoflow(*args, "--run-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-2000:]
     # On a hang, SIGTERM to torchrun makes it stop its workers (each in a session of its own, which

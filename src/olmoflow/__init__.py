@@ -19,8 +19,9 @@ _LAZY = {
     "Tokenizer": "olmoflow.tokenizer",
     "BaseTokenizer": "olmoflow.tokenizer",
     "BPETokenizer": "olmoflow.tokenizer",
-    "RunConfig": "olmoflow.config",
-    "load_config": "olmoflow.config",
+    "RunConfig": "olmoflow.pipeline.config",
+    "load_config": "olmoflow.pipeline.config",
+    "SamplingParams": "olmoflow.infer.sampling",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -131,12 +131,14 @@ def environment() -> dict[str, str]:
 
 
 def file_record(path: Path, root: Path) -> dict[str, Any]:
-    """``{"path", "bytes", "sha256"}`` of a file, its path relative to ``root`` when inside it."""
+    """``{"path", "bytes", "sha256"}`` of a file: its path relative to ``root`` when inside it,
+    else absolute (a path relative to the working directory of the run could not be followed
+    back from the manifest later)."""
     path = Path(path)
     try:
-        rel = str(path.resolve().relative_to(root.resolve()))
+        rel = str(path.resolve().relative_to(Path(root).resolve()))
     except ValueError:
-        rel = str(path)
+        rel = os.path.abspath(path)
     return {"path": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 

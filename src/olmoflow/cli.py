@@ -8,7 +8,7 @@ Tool verbs take no run config:
 
     olmoflow model info PRESET                     shape, parameter counts and memory of a preset
     olmoflow model list                            the model presets
-    olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face model directory
+    olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face directory
     olmoflow plot RUN [--out DIR]                  the training log's curves and heatmaps as PNGs
     olmoflow plan CONFIG --gpus N                  memory per GPU under DDP and FSDP (fits or not)
     olmoflow data run CONFIG                       the data engine (see olmoflow.data.commands)
@@ -31,7 +31,8 @@ EXIT_USAGE = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="olmoflow", description="The OLMo model flow, open end to end.")
+    p = argparse.ArgumentParser(prog="olmoflow",
+                                description="The OLMo model flow, open end to end.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -62,7 +63,8 @@ def _tool_parsers(sub) -> None:
     """Verbs that act on models and checkpoints rather than on a run: ``model``, ``export``."""
     model = sub.add_parser("model", help="model presets: list, info")
     msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
-    info = msub.add_parser("info", help="shape, parameters (counted on the meta device), bf16 memory")
+    info = msub.add_parser("info",
+                           help="shape, parameters (counted on the meta device), bf16 memory")
     info.add_argument("preset", help="a model preset, e.g. olmo3_7b (see 'olmoflow model list')")
     info.set_defaults(tool=_model_info)
     lst = msub.add_parser("list", help="the model presets with their parameter counts")
@@ -70,19 +72,24 @@ def _tool_parsers(sub) -> None:
 
     export = sub.add_parser("export", help="export a checkpoint to another format: hf")
     esub = export.add_subparsers(dest="action", required=True, metavar="FORMAT")
-    hf = esub.add_parser("hf", help="a Hugging Face directory (Olmo3ForCausalLM / Olmo2ForCausalLM)")
+    hf = esub.add_parser("hf",
+                         help="a Hugging Face directory (Olmo3ForCausalLM / Olmo2ForCausalLM)")
     hf.add_argument("checkpoint", help="a step directory (run_dir/pretrain/stepN), a checkpoint "
                     "folder with 'latest', or a Hugging Face directory")
     hf.add_argument("out", help="the directory to write (must not exist, or be empty)")
-    hf.add_argument("--tokenizer", help="directory with tokenizer.json (default: the run's tokenizer/)")
-    hf.add_argument("--dtype", help="weights dtype: float32, bfloat16 or float16 (default: as stored)")
+    hf.add_argument("--tokenizer",
+                    help="directory with tokenizer.json (default: the tokenizer the run trained "
+                    "with)")
+    hf.add_argument("--dtype",
+                    help="weights dtype: float32, bfloat16 or float16 (default: as stored)")
     hf.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     hf.set_defaults(tool=_export_hf)
 
-    plot = sub.add_parser("plot", help="draw a run's training log (loss, lr, grad norm, throughput, "
-                          "per-layer and per-head heatmaps) into PNG files")
-    plot.add_argument("run", help="a run directory, its pretrain/ directory or a metrics.jsonl file")
-    plot.add_argument("--out", help="where the PNGs go (default: plots/ beside metrics.jsonl)")
+    plot = sub.add_parser("plot", help="draw a run's training log (loss, lr, grad norm, "
+                          "throughput, per-layer and per-head heatmaps) into PNG files")
+    plot.add_argument("run", help="a run directory, a training stage's directory or its "
+                      "metrics.jsonl")
+    plot.add_argument("--out", help="where the PNGs go (default: plots/ beside the log)")
     plot.set_defaults(tool=_plot)
 
     plan = sub.add_parser("plan", help="memory per GPU to train a run config under DDP and FSDP")
@@ -131,7 +138,7 @@ def _model_list(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    from olmoflow.export import export_hf
+    from olmoflow.release.export import export_hf
 
     out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
                     force=args.force)
@@ -211,10 +218,12 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _print_samples(cfg) -> None:
+    """Print the generate stage's samples of the run ``cfg`` (nothing when it wrote none)."""
     import json
-    from pathlib import Path
 
-    path = Path(cfg.run_dir) / "generate" / "samples.jsonl"
+    from olmoflow.run_dir import RunDir
+
+    path = RunDir(cfg.run_dir).stage("generate") / "samples.jsonl"
     if not path.is_file():
         return
     print("\nGenerated text:")

@@ -11,8 +11,15 @@ import pytest
 from olmoflow.data.documents import write_documents
 from olmoflow.data.engine import load_data_config
 from olmoflow.data.executor import run_shards
-from olmoflow.data.tokenize import read_index, read_token_array
-from olmoflow.data.tokenize_shards import check_tokens, load_tokenizer, tokenize_shard, write_meta
+from olmoflow.data.tokenize import (
+    SPLITS,
+    check_token_dir,
+    open_token_dir,
+    read_index,
+    read_token_array,
+    write_meta,
+)
+from olmoflow.data.tokenize_shards import load_tokenizer, tokenize_shard
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BPETokenizer
 
@@ -50,12 +57,16 @@ def write_shards(root: Path) -> list[Path]:
 
 
 def tokenize_all(root: Path, tok_dir: str, executor: str, workers: int) -> list[dict]:
-    tasks = [{"input": str(p), "source": p.parent.name,
-              "output": str(root / "tokens" / p.parent.name / p.name.replace(".jsonl.gz", ".npy")),
-              "tokenizer": tok_dir, "dtype": "auto"} for p in write_shards(root)]
+    rel = lambda p: f"{p.parent.name}/{p.name.replace('.jsonl.gz', '.npy')}"  # noqa: E731
+    tasks = [{"input": str(p), "source": p.parent.name, "heldout": [i % 3],
+              "parts": {s: str(root / "tokens" / s / rel(p)) for s in SPLITS},
+              "tokenizer": tok_dir, "dtype": "auto"} for i, p in enumerate(write_shards(root))]
     results = run_shards(tokenize_shard, tasks, executor=executor, workers=workers)
     tok = load_tokenizer(tok_dir)
-    write_meta(root / "tokens", tok, np.dtype("<u2"), [Path(t["output"]) for t in tasks], results)
+    write_meta(root / "tokens", tok, np.dtype("<u2"),
+               [{s: Path(t["parts"][s]) for s in SPLITS} for t in tasks],
+               [r["splits"] for r in results], tokenizer_dir=tok_dir, implementation="bpe",
+               heldout={"seed": 0, "fraction": 0.0, "max_documents": 0})
     return results
 
 
@@ -68,7 +79,7 @@ def test_parallel_tokenization_is_byte_identical_and_round_trips(tmp_path, token
     tokenize_all(tmp_path / "a", tokenizer_dir, "serial", 1)
     results = tokenize_all(tmp_path / "b", tokenizer_dir, "local", 2)
     assert digests(tmp_path / "a" / "tokens") == digests(tmp_path / "b" / "tokens")
-    checked = check_tokens(tmp_path / "b" / "tokens", expected_documents=100)
+    checked = check_token_dir(tmp_path / "b" / "tokens", expected_documents=100)
     assert checked["documents"] == 100 and checked["tokens"] == sum(r["tokens"] for r in results)
     # Every document decodes back to its text, and ends with EOS.
     tok = load_tokenizer(tokenizer_dir)
@@ -83,16 +94,20 @@ def test_parallel_tokenization_is_byte_identical_and_round_trips(tmp_path, token
             assert tok.decode(arr[start:end - 1].tolist()) == doc["text"]
             seen += 1
     assert seen == 100
+    # One held-out document per shard, as the tasks asked, and the directory opens for training.
+    td = open_token_dir(tmp_path / "b" / "tokens")
+    assert td.meta["splits"]["heldout"]["documents"] == 4 and len(td.heldout) == 4
+    assert td.tokenizer_dir == Path(tokenizer_dir).resolve() and td.implementation == "bpe"
 
 
 def test_check_tokens_catches_a_truncated_array_and_a_missing_document(tmp_path, tokenizer_dir):
     tokenize_all(tmp_path, tokenizer_dir, "serial", 1)
     with pytest.raises(OlmoflowError, match="went in"):
-        check_tokens(tmp_path / "tokens", expected_documents=101)
+        check_token_dir(tmp_path / "tokens", expected_documents=101)
     npy = sorted((tmp_path / "tokens").rglob("*.npy"))[1]
     npy.write_bytes(npy.read_bytes()[:-2])
     with pytest.raises(OlmoflowError, match="tokens but its index ends"):
-        check_tokens(tmp_path / "tokens")
+        check_token_dir(tmp_path / "tokens")
 
 
 def test_uint16_refuses_a_large_vocabulary():
@@ -162,7 +177,7 @@ def test_run_skips_done_steps_and_redoes_only_what_changed(tmp_path, capsys):
     assert [ln.split()[0] for ln in lines[1:6]] == ["ingest", "tag", "dedup", "mix", "tokenize"]
     assert "removed 3 (1 rules)" in lines[4]  # the three copies in b.jsonl
     before = digests(run / "tokens")
-    assert check_tokens(run / "tokens", expected_documents=24)["documents"] == 24
+    assert check_token_dir(run / "tokens", expected_documents=24)["documents"] == 24
 
     assert main(["data", "run", str(cfg), "--no-progress"]) == 0
     assert sum("skipped (done)" in ln for ln in capsys.readouterr().out.splitlines()) == 5
@@ -259,8 +274,44 @@ def test_tokenize_with_a_given_tokenizer_directory(tmp_path, tokenizer_dir):
     Engine(cfg).run()
     meta = __import__("json").loads((tmp_path / "run" / "tokens" / "meta.json").read_text())
     assert meta["vocab_size"] == load_tokenizer(tokenizer_dir).vocab_size
-    assert meta["documents"] == 27 and not (tmp_path / "run" / "tokenizer").exists()
+    assert sum(meta["splits"][s]["documents"] for s in SPLITS) == 27
+    assert not (tmp_path / "run" / "tokenizer").exists()
+    assert open_token_dir(tmp_path / "run" / "tokens").tokenizer_dir == Path(tokenizer_dir)
     bad = load_data_config(small_run(tmp_path), ["steps=[tokenize]",
                                                  f"tokenize.tokenizer={tmp_path}"])
     with pytest.raises(OlmoflowError, match="no tokenizer.json"):
         Engine(bad).run()
+
+
+def markers(run: Path) -> dict[str, float]:
+    """Every shard done-marker under the run (``.done/<step>/`` and any ``work/<set>/done``),
+    with the time its job finished."""
+    import json
+
+    return {p.relative_to(run).as_posix(): json.loads(p.read_text())["finished"]
+            for p in sorted(run.rglob("*.done.json"))}
+
+
+def test_force_reruns_every_shard_of_every_step(tmp_path):
+    from olmoflow.data.engine import STEPS, Engine
+
+    cfg = small_run(tmp_path)
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text('{"q": "alpha beta gamma delta epsilon zeta eta theta iota kappa"}\n')
+    text = cfg.read_text().replace("steps: [ingest, tag, dedup, mix, tokenize]", "")
+    cfg.write_text(text + f"decontaminate: {{evals: [], files: {{e: {{path: '{ev}', "
+                          "fields: [q]}}, ngram: 5, action: tag}\n")
+    run = tmp_path / "run"
+    first = Engine(load_data_config(cfg)).run()
+    assert [o.step for o in first] == list(STEPS)
+    before, tokens = markers(run), digests(run / "tokens")
+    # Markers live where --force looks: the engine's step names, not the modules' set names.
+    assert {k.split("/")[1] for k in before if k.startswith(".done/")} == set(STEPS) - {"mix"}
+    assert not any(k.startswith(".done/decontam/") for k in before)
+    again = Engine(load_data_config(cfg), force=True).run()
+    assert not any(o.skipped for o in again)
+    after = markers(run)
+    assert set(after) == set(before)
+    stale = [k for k in before if after[k] <= before[k]]
+    assert not stale, f"--force left these shards done: {stale}"
+    assert digests(run / "tokens") == tokens  # and redoing them gives the same bytes

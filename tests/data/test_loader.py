@@ -8,13 +8,20 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from olmoflow.train.config import TrainConfig
+from olmoflow.train.config import (
+    CheckpointConfig,
+    LogConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from olmoflow.data.loader import (PAD_DOCUMENT, Batch, DataLoader, InstanceDataset, PackedDataset,
                                   build_dataset, open_documents)
 from olmoflow.errors import OlmoflowError
@@ -315,10 +322,11 @@ def test_trainer_resumes_packed_masked_training_exactly(tmp_path):
     seq = 16
     paths = labelled_corpus(tmp_path / "data", random_lengths(60, seq, seed=6))
     cfg = TrainConfig(sequence_length=seq, global_batch_size=4, micro_batch_size=2, max_steps=6,
-                      lr=1e-2, warmup_steps=2, save_interval=3, log_interval=1, num_threads=1,
-                      packing="best_fit", intra_document_masking=True)
+                      num_threads=1, packing="best_fit", intra_document_masking=True,
+                      optimizer=OptimizerConfig(lr=1e-2), schedule=ScheduleConfig(warmup_steps=2),
+                      checkpoint=CheckpointConfig(save_interval=3), log=LogConfig(interval=1))
 
-    def trainer(folder, **kw):
+    def trainer(folder, resume_from=None):
         torch.manual_seed(0)
         # Token values are capped into the vocab: the packing still comes from the index.
         ds = PackedDataset.from_paths(paths, np.dtype(np.uint32), seq, seed=1)
@@ -327,7 +335,8 @@ def test_trainer_resumes_packed_masked_training_exactly(tmp_path):
         loader = DataLoader(ds, cfg.global_batch_size, seed=1, intra_document_masking=True)
         model = Olmo(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
                                  max_sequence_length=64, sliding_window=None))
-        return Trainer(model, TrainConfig(**{**cfg.__dict__, **kw}), loader, folder, progress=False)
+        run_cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume_from=resume_from))
+        return Trainer(model, run_cfg, loader, folder, progress=False)
 
     straight = trainer(tmp_path / "a")
     straight.fit()

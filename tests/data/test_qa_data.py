@@ -1,4 +1,4 @@
-"""Regression tests for what QA found using the data engine as a new user would (issue 5).
+"""Regression tests for what QA found using the data engine as a new user would.
 
 Each test names the command that went wrong and states what must hold instead: every bad input
 line counted, config mistakes reported before the first step runs, one-line errors instead of
@@ -69,7 +69,7 @@ def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
     ("mixer.exclude=['gopher__fail_any = 1']", "cannot parse rule"),
     ("mixer.weights={webb: 2}", "unknown source 'webb'; did you mean 'web'?"),
     ("dedup.exakt=true", "unknown dedup key 'exakt'; did you mean 'exact'?"),
-    ("decontamination.evals=[arcc]", "did you mean 'arc'?"),
+    ("decontaminate.evals=[arcc]", "did you mean 'arc'?"),
     ("taggers=[pii, gopherr]", "unknown tagger 'gopherr'; did you mean 'gopher'?"),
     ("dedup.minhash.threshold=abc", "dedup.minhash.threshold must be in (0, 1], got 'abc'"),
     ("tokenize.dtype=uint8", "unknown tokenize.dtype 'uint8'"),
@@ -258,7 +258,7 @@ def test_removing_a_source_gives_the_bytes_of_a_fresh_run(tmp_path):
     (tmp_path / "one.yaml").write_text(body)
     run, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
     Engine(load_data_config(tmp_path / "both.yaml", [f"output={run}"])).run()
-    assert (tmp_path / "run" / "tokens" / "b").is_dir()
+    assert (tmp_path / "run" / "tokens" / "train" / "b").is_dir()
     Engine(load_data_config(tmp_path / "one.yaml", [f"output={run}"])).run()
     Engine(load_data_config(tmp_path / "one.yaml", [f"output={fresh}"])).run()
     for d in ("documents", "mixed", "tokens", "tokenizer"):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from olmoflow.data.config import TokenizeConfig
-from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.data.tokenize import (
     check_part,
     choose_heldout,
@@ -21,6 +20,7 @@ from olmoflow.data.tokenize import (
 )
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import Tokenizer
+from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.tokenizer.train import train_tokenizer
 
 WORDS = "the a cat dog sat ran on under mat log quickly slowly café 日本 😀 def return".split()

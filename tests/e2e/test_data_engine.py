@@ -1,4 +1,4 @@
-"""Done means (issue 5): configs/data/web_crawl.yaml runs ingest -> tag -> dedup -> decontaminate
+"""The data engine end to end: configs/data/web_crawl.yaml runs ingest -> tag -> dedup -> decontaminate
 -> mix -> tokenize on the web-crawl samples in a local process pool and on a local Ray instance
 with byte-identical outputs, and the report explains every dropped document.
 
@@ -19,8 +19,7 @@ import yaml
 
 from olmoflow.cli import main
 from olmoflow.data.report import check_accounting, report, step_manifests
-from olmoflow.data.tokenize import read_index
-from olmoflow.data.tokenize_shards import check_tokens
+from olmoflow.data.tokenize import SPLITS, check_token_dir, open_token_dir, read_index
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
@@ -148,10 +147,15 @@ def test_web_crawl_local_and_ray_identical_and_every_drop_explained(tmp_path, mo
     assert not any(EMAIL.search(t) for t in mixed)
 
     # Tokens: indexes match the arrays, and hold exactly the mixed documents, in order.
-    checked = check_tokens(local / "tokens", expected_documents=mix["documents_out"])
+    checked = check_token_dir(local / "tokens", expected_documents=mix["documents_out"])
     assert checked["tokens"] == manifests["tokenize"]["counts"]["tokens"]
     meta = json.loads((local / "tokens" / "meta.json").read_text())
-    ids = [row[2] for f in meta["files"]
-           for row in read_index(local / "tokens" / f["path"].replace(".npy", ".csv.gz"))]
+    split_ids = {s: [row[2] for f in meta["splits"][s]["files"]
+                     for row in read_index(local / "tokens" / f["index"])] for s in SPLITS}
+    ids = split_ids["train"] + split_ids["heldout"]
     kept = [i for i, why in fate.items() if why is None]
     assert sorted(ids) == sorted(kept) and len(ids) == len(set(ids))
+    # The held-out split: whole documents, the main flow's seeded rule, and pretraining can open it.
+    assert split_ids["heldout"] and split_ids["train"]
+    td = open_token_dir(local / "tokens")
+    assert td.split("heldout") and td.split("train") and td.load_tokenizer().vocab_size

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import math
+import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from olmoflow.cli import main
 from olmoflow.pipeline.stages import STAGES
+from olmoflow.run_dir import RunDir
 from olmoflow.train.checkpoint import checkpoint_name
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -34,8 +36,8 @@ def sha256(path: Path) -> str:
 
 def run_args(run_dir: Path) -> list[str]:
     # One thread: a tiny model on a shared CI box is far faster without OpenMP spinning.
-    return ["run", "tiny", f"train.max_steps={MAX_STEPS}", "train.log_interval=1",
-            "train.save_interval=10", "train.num_threads=1", "evaluate.max_tokens=2048",
+    return ["run", "tiny", f"train.max_steps={MAX_STEPS}", "train.log.interval=1",
+            "train.checkpoint.save_interval=10", "train.num_threads=1", "evaluate.max_tokens=2048",
             "--data", str(BOOKS), "--run-dir", str(run_dir), "--no-progress"]
 
 
@@ -65,7 +67,7 @@ def test_every_stage_ran_and_has_a_hashed_manifest(flow):
     run_dir, out = flow
     for stage in STAGES:
         assert f"[{stage.name}] ran" in out, out
-        d = run_dir / stage.dir
+        d = RunDir(run_dir).stage(stage.name)
         m = json.loads((d / "manifest.json").read_text())
         assert m["stage"] == stage.name and m["fingerprint"] and m["finished"]
         assert m["outputs"], f"{stage.name} records no outputs"
@@ -87,6 +89,12 @@ def test_manifests_trace_back_to_the_raw_sources(release):
         assert sources[name] == sha256(BOOKS / name)
     tokens = data["tokenize"]["counts"]
     assert tokens["heldout_documents"] >= 1 and tokens["train_documents"] >= 1
+    # The lineage walks from the tokens the model trained on back to the same raw files.
+    [lineage] = data["lineage"]
+    assert Path(lineage["tokens"]).name == "tokens" and not lineage["warnings"]
+    raw = {Path(r["path"]).name: r["sha256"] for r in lineage["raw_files"]}
+    assert raw == sources
+    assert {Path(s["dir"]).name for s in lineage["steps"]} >= {"tokens", "clean", "collect"}
 
 
 def test_release_bundle_has_every_file(release, flow):
@@ -102,6 +110,10 @@ def test_release_bundle_has_every_file(release, flow):
     tokens = 8 * 64  # the tiny preset's global batch x sequence length
     assert [r.split(",")[2] for r in rows[1:]] == [
         f"pretrain/{checkpoint_name('stage1', s, s * tokens)}" for s in (10, MAX_STEPS)]
+    logged = {r["step"]: r["loss"] for r in map(json.loads, log.splitlines())}
+    for row in rows[1:]:  # the loss pretraining recorded when it saved the checkpoint
+        step, _, _, loss = row.split(",")
+        assert float(loss) == pytest.approx(logged[int(step)], abs=1e-6)
     assert "olmoflow-tiny" in (release / "README.md").read_text()
 
 
@@ -133,7 +145,8 @@ def test_python_api_snippet(release, capsys):
 
 
 def test_transformers_loads_the_release_and_agrees(release):
-    transformers = pytest.importorskip("transformers", reason="transformers is the parity reference")
+    transformers = pytest.importorskip("transformers",
+                                       reason="transformers is the parity reference")
     from olmoflow import Olmo, Tokenizer
 
     ours = Olmo.from_pretrained(release).eval()
@@ -169,3 +182,56 @@ def test_rerun_skips_every_stage(flow, capsys):
     assert rc == 0
     for stage in STAGES:
         assert f"[{stage.name}] skipped" in out, out
+
+
+def test_a_run_on_data_engine_tokens_releases_a_manifest_back_to_the_raw_files(tmp_path, capsys):
+    """``olmoflow data run`` then ``olmoflow run tiny train.data=<its tokens>``: the run makes no
+    data of its own, and its release's data manifest follows tokens, mixed documents, attributes
+    and ingested documents back to the raw source file, with its sha256."""
+    import sysconfig
+
+    import yaml
+
+    from olmoflow.data.tokenize import open_token_dir
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    raw = tmp_path / "raw" / "code.jsonl"
+    raw.parent.mkdir()
+    with raw.open("w") as f:
+        for i, p in enumerate(sorted(std.glob("*.py"))[:40]):
+            text = p.read_text(errors="replace")[:3000]
+            f.write(json.dumps({"id": f"doc{i}", "text": text}) + "\n")
+    engine = tmp_path / "engine"
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({
+        "output": str(engine), "executor": "serial", "taggers": ["c4"],
+        "steps": ["ingest", "tag", "dedup", "mix", "tokenize"],
+        "sources": [{"name": "code", "paths": [str(raw)]}],
+        "tokenize": {"vocab_size": 512, "heldout_fraction": 0.1}}))
+    assert main(["data", "run", str(tmp_path / "data.yaml"), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["run", "tiny", f"train.data={engine / 'tokens'}", "train.max_steps=2",
+                   "train.num_threads=1", "--run-dir", str(run), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "[collect]" not in out and "[release] ran" in out
+    assert not RunDir(run).stage("tokenize").exists()
+
+    data = json.loads((RunDir(run).stage("release") / "data_manifest.json").read_text())
+    [lineage] = data["lineage"]
+    assert Path(lineage["tokens"]) == (engine / "tokens").resolve() and not lineage["warnings"]
+    assert {Path(s["dir"]).name for s in lineage["steps"]} >= {"tokens", "mixed", "documents"}
+    assert lineage["raw_files"] == [{"path": str(raw.resolve()), "bytes": raw.stat().st_size,
+                                     "sha256": sha256(raw)}]
+    release = RunDir(run).stage("release")
+    card = (release / "README.md").read_text()
+    assert f"{engine / 'tokens'} (1 raw source file(s))" in card and "40 documents" in card
+    # Trained, released and exported with the engine's tokenizer (the run has none of its own).
+    engine_tokenizer = open_token_dir(engine / "tokens").tokenizer_dir / "tokenizer.json"
+    assert (release / "tokenizer.json").read_bytes() == engine_tokenizer.read_bytes()
+    shutil.rmtree(release)
+    assert main(["export", "hf", str(RunDir(run).stage("pretrain")), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == engine_tokenizer.read_bytes()

@@ -42,7 +42,8 @@ def test_repetition_penalty_ignores_left_padding(model):
     padded = torch.tensor([[7, 7, 3, 3, 9, 4]])  # 7 is a pad: it must not be penalised
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
     a = generate(model, ids, max_new_tokens=10, repetition_penalty=1.3)[0, 4:]
-    b = generate(model, padded, attention_mask=mask, max_new_tokens=10, repetition_penalty=1.3)[0, 6:]
+    b = generate(model, padded, attention_mask=mask, max_new_tokens=10,
+                 repetition_penalty=1.3)[0, 6:]
     assert torch.equal(a, b)
 
 
@@ -102,7 +103,8 @@ def test_tokenizer_supplies_eos_and_pad_defaults(bpe, scripted):
 
 
 def test_compiled_static_cache_decode_matches_eager(model):
-    # aot_eager keeps the test fast on CPU; the code path (static cache, compiled decode) is the same.
+    # aot_eager keeps the test fast on CPU; the code path (static cache, compiled decode) is the
+    # same.
     prompts = torch.randint(0, model.config.vocab_size, (2, 7))
     mask = torch.ones_like(prompts)
     mask[1, :3] = 0  # left padding in row 1

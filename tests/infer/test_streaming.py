@@ -36,7 +36,8 @@ def test_stream_generate_scripted(bpe, scripted):
     assert all(p and FFFD not in p for p in pieces)
     # the callback streamer sees the same pieces
     got = []
-    generate(model, torch.tensor([[5]]), max_new_tokens=len(ids), streamer=TextStreamer(bpe, got.append))
+    generate(model, torch.tensor([[5]]), max_new_tokens=len(ids),
+             streamer=TextStreamer(bpe, got.append))
     assert got == pieces
 
 
@@ -58,4 +59,5 @@ def test_stream_generate_random_model(bpe):
 
 def test_stream_generate_rejects_batch(bpe, scripted):
     with pytest.raises(ValueError, match="one prompt"):
-        stream_generate(scripted([[1], [1]], bpe.vocab_size), bpe, torch.ones(2, 3, dtype=torch.long))
+        stream_generate(scripted([[1], [1]], bpe.vocab_size), bpe,
+                        torch.ones(2, 3, dtype=torch.long))

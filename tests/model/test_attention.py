@@ -71,13 +71,15 @@ def test_decode_shaped_queries_match_eager(backend):
     q = q[:, :, -3:]
     with torch.no_grad():
         for mask in (AttentionMask(torch.arange(37, 40), 40, 8),
-                     AttentionMask(torch.arange(20, 23), 40, 8, key_padding=_left_pad(), aligned=False)):
-            torch.testing.assert_close(attend(q, k, v, mask, backend), attend(q, k, v, mask, "eager"),
-                                       atol=1e-5, rtol=1e-5)
+                     AttentionMask(torch.arange(20, 23), 40, 8, key_padding=_left_pad(),
+                                   aligned=False)):
+            torch.testing.assert_close(attend(q, k, v, mask, backend),
+                                       attend(q, k, v, mask, "eager"), atol=1e-5, rtol=1e-5)
 
 
 def test_plain_causal_uses_is_causal_without_mask(monkeypatch):
-    """The training fast path: no padding, no documents, T <= window -> is_causal=True, no tensor."""
+    """The training fast path: no padding, no documents, T <= window -> is_causal=True, no
+    tensor."""
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -166,8 +168,8 @@ def test_unavailable_backend_warns_once_and_runs_sdpa():
         out2 = model(ids[:, :12]).logits
     msgs = [str(w.message) for w in record if "attention backend" in str(w.message)]
     # once, not per layer or per call
-    assert msgs == ["attention backend 'flash' is unavailable (flash_attn not installed; needs CUDA); "
-                    "using 'sdpa'"]
+    assert msgs == ["attention backend 'flash' is unavailable (flash_attn not installed; needs "
+                    "CUDA); using 'sdpa'"]
     torch.testing.assert_close(out1, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out2, ref[:, :12], atol=1e-6, rtol=1e-6)
 
@@ -234,7 +236,7 @@ def test_static_cache_left_padding_matches_dynamic():
         dyn, sta = model.new_cache(2, 16), model.new_cache(2, 16, static=True)
         a = [model(ids, attention_mask=am, cache=dyn).logits]
         b = [model(ids, attention_mask=am, cache=sta).logits]
-        for t in range(5):
+        for _ in range(5):
             nxt = a[-1][:, -1].argmax(-1, keepdim=True)
             am = torch.cat([am, torch.ones(2, 1, dtype=torch.bool)], 1)
             a.append(model(nxt, attention_mask=am, cache=dyn).logits)

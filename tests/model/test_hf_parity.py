@@ -7,7 +7,8 @@ from olmoflow.model.config import ModelConfig
 from olmoflow.model.hf import hf_config, save_hf_dir
 from olmoflow.model.olmo import Olmo
 
-transformers = pytest.importorskip("transformers", reason="transformers is the reference for parity")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is the reference for parity")
 
 
 def _tiny(**kw):
@@ -19,7 +20,8 @@ def _tiny(**kw):
 
 def _hf_model(tmp_path, model):
     save_hf_dir(model, tmp_path / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           attn_implementation="eager")
     return hf.eval()
 
 
@@ -45,7 +47,8 @@ def test_logits_match_transformers(tmp_path, kw, backend):
     expected = "Olmo3ForCausalLM" if kw.get("sliding_window", 16) else "Olmo2ForCausalLM"
     assert type(hf).__name__ == expected
     if kw.get("yarn_factor"):
-        # transformers applies rope_scaling to full-attention layers only for OLMo 3, as OLMo 3 trained.
+        # transformers applies rope_scaling to full-attention layers only for OLMo 3, as OLMo 3
+        # trained.
         assert hf.config.rope_parameters["sliding_attention"]["rope_type"] == "default"
         assert hf.config.rope_parameters["full_attention"]["rope_type"] == "yarn"
     ids = torch.randint(0, 128, (2, 70))  # longer than the sliding window
@@ -59,7 +62,8 @@ def test_hf_config_layer_types():
     cfg = _tiny(n_layers=6)
     types = hf_config(cfg)["layer_types"]
     # every 4th layer and the last one are full attention
-    assert types == ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+    assert types == (["sliding_attention"] * 3
+                     + ["full_attention", "sliding_attention", "full_attention"])
 
 
 def test_export_reimport_bit_identical(tmp_path):

@@ -14,7 +14,7 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.hf import hf_config, model_config_from_hf, save_hf_dir, to_hf_state_dict
 from olmoflow.model.olmo import Olmo
-from olmoflow.model.presets import PRESETS, format_info, get_preset, meta_param_counts
+from olmoflow.model.presets import format_info, get_preset, meta_param_counts
 
 # Totals of the released checkpoints (sum of numel over their safetensors), which the closed form
 # embeddings 2*V*d + L*(q,k,v,o + q/k norms + 2 block norms + SwiGLU 3*d*hidden) + final norm gives.
@@ -72,7 +72,8 @@ def test_ladder_names_count_non_embedding_parameters(name):
 
 
 def test_unknown_preset_names_the_closest():
-    with pytest.raises(OlmoflowError, match=r"unknown model preset 'olmo3_7m'; did you mean 'olmo3_") as e:
+    msg = r"unknown model preset 'olmo3_7m'; did you mean 'olmo3_"
+    with pytest.raises(OlmoflowError, match=msg) as e:
         get_preset("olmo3_7m")
     assert "\n" not in str(e.value)
     with pytest.raises(OlmoflowError, match="did you mean 'olmo2_13b'"):
@@ -102,9 +103,10 @@ def test_hf_config_round_trip_and_transformers_count(name):
     assert sum(p.numel() for p in hf.parameters()) == OFFICIAL[name]
 
 
-# ---- loading checkpoints written by transformers ---------------------------------------------------
+# ---- loading checkpoints written by transformers ---------------------------------------------
 
-transformers = pytest.importorskip("transformers", reason="transformers writes the reference checkpoints")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers writes the reference checkpoints")
 
 
 def _hf_olmo3(**kw):
@@ -184,6 +186,15 @@ def test_unsupported_or_broken_directories(tmp_path):
     good = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(OlmoflowError, match="tie_word_embeddings"):
         model_config_from_hf(dict(good, tie_word_embeddings=True))
+    # Weights that disagree with their config.json are refused by name, not by a torch traceback.
+    ours = tmp_path / "ours"
+    save_hf_dir(Olmo(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
+                                 mlp_hidden=48)), ours)
+    cfg = json.loads((ours / "config.json").read_text())
+    (ours / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=64)))
+    with pytest.raises(OlmoflowError, match=r"do not match its config.json: .*wrong shape "
+                                            r"\['blocks.0.feed_forward.w1.weight'"):
+        Olmo.from_pretrained(ours)
     # transformers' default Olmo3Config pattern for 5 layers leaves the last layer sliding; OLMo 3
     # (OLMo-core and ours) always makes the last layer full, so such a config is refused clearly.
     five = json.loads(transformers.Olmo3Config(num_hidden_layers=5).to_json_string())
@@ -191,7 +202,7 @@ def test_unsupported_or_broken_directories(tmp_path):
         model_config_from_hf(five)
 
 
-# ---- wrapper prefixes ------------------------------------------------------------------------------
+# ---- wrapper prefixes ------------------------------------------------------------------------
 
 
 def _tiny() -> Olmo:
@@ -230,7 +241,8 @@ def test_ddp_state_dict_has_no_prefix(tmp_path):
 
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("torch.distributed unavailable or already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
     try:
         model = _tiny()
         ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model))

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmoflow.train.config import TrainConfig
+from olmoflow.config import from_dict, set_dotted
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
+from olmoflow.train.config import TrainConfig
 from olmoflow.train.trainer import METRICS, Trainer
 
 VOCAB = 64
@@ -37,11 +38,21 @@ def build_model(seed: int = 0, **kw) -> Olmo:
     return Olmo(tiny_model_config(**kw))
 
 
+def parse_train_config(**kw) -> TrainConfig:
+    """A TrainConfig through the config parser; a key ``section__key`` is ``train.section.key``
+    (``checkpoint__save_interval=2``), so a spec stays a flat, JSON-friendly dict."""
+    tree: dict = {}
+    for key, value in kw.items():
+        set_dotted(tree, key.replace("__", "."), value)
+    return from_dict(TrainConfig, tree, "train.")
+
+
 def train_config(**kw) -> TrainConfig:
+    """The trainer tests' config: :func:`parse_train_config` of these defaults and ``kw``."""
     base = dict(sequence_length=SEQ, global_batch_size=4, micro_batch_size=2, max_steps=20,
-                lr=1e-2, warmup_steps=3, schedule="cosine", save_interval=10, log_interval=1,
-                num_threads=1)
-    return TrainConfig(**{**base, **kw})
+                optimizer__lr=1e-2, schedule__warmup_steps=3, schedule__type="cosine",
+                checkpoint__save_interval=10, log__interval=1, num_threads=1)
+    return parse_train_config(**{**base, **kw})
 
 
 def token_arrays(n_tokens: int, n_arrays: int = 3, seed: int = 0) -> list[np.ndarray]:
@@ -60,7 +71,8 @@ def dataset(n_instances: int, seq: int = SEQ) -> InstanceDataset:
 
 
 def read_metrics(folder: Path) -> dict[int, dict]:
-    rows = [json.loads(ln) for ln in (Path(folder) / METRICS).read_text().splitlines() if ln.strip()]
+    text = (Path(folder) / METRICS).read_text()
+    rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
     by_step = {r["step"]: r for r in rows}
     assert len(by_step) == len(rows), "a step was logged twice"
     return by_step
@@ -125,7 +137,7 @@ def _child(spec: dict) -> None:
     torch.manual_seed(12345)
     np.random.seed(12345)
     t = make_trainer(Path(spec["folder"]), spec["n_instances"], spec["dropout"],
-                     **{**spec["cfg"], "resume_from": "latest"})
+                     **{**spec["cfg"], "checkpoint__resume_from": "latest"})
     t.fit()
     torch.save({"weights": t.model.state_dict(), "optimizer": optimizer_state(t), "step": t.step,
                 "tokens_seen": t.tokens_seen, "loader": t.loader.state_dict()}, spec["out"])

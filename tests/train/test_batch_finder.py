@@ -9,17 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.pipeline.config import load_config
-from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
+from olmoflow.pipeline.config import load_config
 from olmoflow.train.batch_finder import (
     cuda_trial_fits,
     default_budget_bytes,
     divisors_desc,
     find_micro_batch,
+)
+from olmoflow.train.config import (
+    CheckpointConfig,
+    LogConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
 )
 from olmoflow.train.plan import GB, activation_bytes_per_token, memory_plan
 from olmoflow.train.trainer import METRICS, Trainer
@@ -55,8 +61,10 @@ def budget_for(micro_batch: float) -> float:
 def train(folder, **kw) -> tuple[list[dict], dict[str, torch.Tensor], Trainer]:
     rng = np.random.default_rng(0)
     data = InstanceDataset([rng.integers(0, 16, 30 * SEQ + 1).astype(np.uint16)], SEQ)
-    cfg = TrainConfig(sequence_length=SEQ, global_batch_size=BATCH, max_steps=4, lr=1e-2,
-                      warmup_steps=1, save_interval=0, log_interval=1, num_threads=1, **kw)
+    cfg = TrainConfig(sequence_length=SEQ, global_batch_size=BATCH, max_steps=4, num_threads=1,
+                      optimizer=OptimizerConfig(lr=1e-2), schedule=ScheduleConfig(warmup_steps=1),
+                      checkpoint=CheckpointConfig(save_interval=0), log=LogConfig(interval=1),
+                      **kw)
     torch.manual_seed(0)
     t = Trainer(Olmo(ModelConfig(**MODEL)), cfg, DataLoader(data, BATCH, seed=1), folder,
                 progress=False)
@@ -76,9 +84,10 @@ def test_small_budget_picks_smaller_micro_batch_same_training(tmp_path, capsys):
     assert t_small.micro_batch_choice["accumulation_steps"] == 4
     assert "auto_micro_batch: micro-batch 2 instance(s)" in capsys.readouterr().out
     assert [r["micro_batch_size"] for r in small] == [2] * 4  # the choice is in the training log
-    # Accumulation over 4 micro-batches gives the gradient of one batch of 8: same run.
+    # Accumulation over 4 micro-batches gives the gradient of one batch of 8: same run, up to a
+    # few fp32 roundings of a loss near 5 (one ulp there is 4.8e-7).
     for a, b, c in zip(ref, big, small):
-        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["loss"] - c["loss"]) < 1e-6
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["loss"] - c["loss"]) < 4e-6
         assert abs(a["grad_norm"] - c["grad_norm"]) < 1e-5
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.1
     # Per tensor: Adam's m / sqrt(v) turns float noise in near-zero gradient entries (w_k under
@@ -102,10 +111,11 @@ def test_default_budget_is_this_process_and_free_ram():
 
 def test_config_validation():
     with pytest.raises(OlmoflowError, match="did you mean 'fsdp'"):
-        load_config("tiny", ["train.data_parallel=fdsp"])
+        load_config("tiny", ["train.parallel.data_parallel=fdsp"])
     with pytest.raises(OlmoflowError, match="memory_budget_gb must be > 0"):
         load_config("tiny", ["train.memory_budget_gb=0"])
-    assert load_config("tiny", ["train.data_parallel=fsdp"]).train.data_parallel == "fsdp"
+    fsdp = load_config("tiny", ["train.parallel.data_parallel=fsdp"])
+    assert fsdp.train.parallel.data_parallel == "fsdp"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA trial needs a GPU")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_helpers import make_trainer, read_metrics
 
-from olmoflow.pipeline.config import load_config
 from olmoflow.errors import OlmoflowError
+from olmoflow.pipeline.config import load_config
 from olmoflow.train.checkpoint import (
     INDEX,
     checkpoint_name,
@@ -23,7 +24,6 @@ from olmoflow.train.checkpoint import (
     prune_checkpoints,
     resolve_checkpoint,
 )
-from resume_helpers import make_trainer, read_metrics
 
 TOKENS_PER_STEP = 4 * 8  # resume_helpers.train_config: 4 instances of 8 tokens
 
@@ -57,7 +57,8 @@ def fake_checkpoints(folder: Path, steps: list[int]) -> None:
         (d / "trainer_state.pt").write_bytes(b"")
 
 
-@pytest.mark.parametrize("keep_every,keep_last", list(itertools.product([0, 1, 3, 4], [0, 1, 2, 5])))
+@pytest.mark.parametrize("keep_every,keep_last",
+                         list(itertools.product([0, 1, 3, 4], [0, 1, 2, 5])))
 def test_pruning_policy_against_its_definition(tmp_path, keep_every, keep_last):
     """Saving steps 1..12 one by one, pruning after each save, leaves exactly: the multiples of
     keep_every, the newest keep_last of the others, and the newest of all."""
@@ -83,12 +84,14 @@ def read_index(folder: Path) -> list[dict]:
 
 
 def test_training_run_names_indexes_and_prunes_checkpoints(tmp_path):
-    t = make_trainer(tmp_path, 27, 0.0, max_steps=13, save_interval=2, keep_every=5, keep_last=2)
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=13, checkpoint__save_interval=2,
+                     checkpoint__keep_every=5, checkpoint__keep_last=2)
     summary = t.fit()
     # saved at 2, 4, ..., 12 and 13 (the end); 10 is a multiple of keep_every; 12 and 13 the last 2
     names = {s: checkpoint_name("stage1", s, s * TOKENS_PER_STEP) for s in (2, 4, 6, 8, 10, 12, 13)}
     assert [p.name for p in list_checkpoints(tmp_path)] == [names[10], names[12], names[13]]
-    assert (tmp_path / "latest").read_text().strip() == names[13] == Path(summary["checkpoint"]).name
+    latest = (tmp_path / "latest").read_text().strip()
+    assert latest == names[13] == Path(summary["checkpoint"]).name
     assert not list(tmp_path.glob(".*.tmp"))
     rows = read_index(tmp_path)
     assert list(rows[0]) == ["step", "tokens", "name", "loss", "saved_at", "status"]
@@ -109,8 +112,9 @@ def test_training_run_names_indexes_and_prunes_checkpoints(tmp_path):
     assert (tmp_path / names[12] / "config.yaml").read_text() == "x: 1\n"
 
     # A later run resumes from the pruned folder and keeps indexing into the same csv.
-    more = make_trainer(tmp_path, 27, 0.0, max_steps=15, save_interval=2, keep_every=5,
-                        keep_last=2, resume_from="latest")
+    more = make_trainer(tmp_path, 27, 0.0, max_steps=15, checkpoint__save_interval=2,
+                        checkpoint__keep_every=5,
+                        checkpoint__keep_last=2, checkpoint__resume_from="latest")
     more.fit()
     assert [int(r["step"]) for r in read_index(tmp_path)] == [2, 4, 6, 8, 10, 12, 13, 14, 15]
     # 15 is a multiple of keep_every; of the others (12, 13, 14) the newest two stay
@@ -139,11 +143,13 @@ def test_resolve_checkpoint_by_name_step_and_latest(tmp_path):
         resolve_checkpoint(tmp_path, "step5")
 
 
-def test_top_level_resume_from_is_train_resume_from():
+def test_top_level_resume_from_is_train_checkpoint_resume_from():
     cfg = load_config("tiny", ["resume_from=latest"])
-    assert cfg.train.resume_from == "latest"
-    assert load_config("tiny", ["train.resume_from=step10"]).train.resume_from == "step10"
-    assert load_config("tiny").train.resume_from is None
+    assert cfg.train.checkpoint.resume_from == "latest"
+    nested = load_config("tiny", ["train.checkpoint.resume_from=step10"])
+    assert nested.train.checkpoint.resume_from == "step10"
+    assert load_config("tiny", ["train.resume_from=step9"]).train.checkpoint.resume_from == "step9"
+    assert load_config("tiny").train.checkpoint.resume_from is None
 
 
 def test_resume_from_does_not_change_the_pretrain_fingerprint(tmp_path):
@@ -157,14 +163,16 @@ def test_resume_from_does_not_change_the_pretrain_fingerprint(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.optimizer=adamww", "unknown train.optimizer 'adamww'; did you mean 'adamw'?"),
-    ("train.optimizer=moun", "did you mean 'muon'?"),
+    ("train.optimizer.type=adamww",
+     "unknown train.optimizer.type 'adamww'; did you mean 'adamw'?"),
+    ("train.optimizer=moun", "did you mean 'muon'?"),  # the old form: a string is the type
     ("train.precision=bf61", "unknown train.precision 'bf61'; did you mean 'bf16'?"),
-    ("train.stage=stage/1", "train.stage 'stage/1'"),
-    ("train.keep_last=-1", "train.keep_last must be >= 0"),
+    ("train.checkpoint.stage=stage/1", "train.checkpoint.stage 'stage/1'"),
+    ("train.checkpoint.keep_last=-1", "train.checkpoint.keep_last must be >= 0"),
     ("train.activation_checkpointing=-2", "train.activation_checkpointing must be >= 0"),
-    ("train.skip_step_sigma=0", "skip_step_sigma"),
-    ("train.muon_momentum=1.0", "muon_momentum"),
+    ("train.optimizer.skip_step_sigma=0", "skip_step_sigma"),
+    ("train.optimizer.muon_momentum=1.0", "muon_momentum"),
+    ("train.schedule.type=cosin", "unknown train.schedule.type 'cosin'; did you mean 'cosine'?"),
 ])
 def test_bad_engine_keys_are_user_errors(override, message):
     with pytest.raises(OlmoflowError) as e:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import torch
+from resume_helpers import build_model, make_trainer, read_metrics
 
 from olmoflow.train.checkpoint import load_model, resolve_checkpoint
-from resume_helpers import build_model, make_trainer, read_metrics
 
 
 def test_compiled_blocks_train_like_eager_and_save_plain_checkpoints(tmp_path):
-    eager = make_trainer(tmp_path / "eager", 16, 0.0, max_steps=3, save_interval=0)
+    eager = make_trainer(tmp_path / "eager", 16, 0.0, max_steps=3, checkpoint__save_interval=0)
     eager.fit()
-    compiled = make_trainer(tmp_path / "compiled", 16, 0.0, max_steps=3, save_interval=0, compile=True)
+    compiled = make_trainer(tmp_path / "compiled", 16, 0.0, max_steps=3,
+                            checkpoint__save_interval=0, compile=True)
     assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
                for b in compiled.model.blocks), "every block is compiled"
     compiled.fit()

@@ -32,11 +32,18 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.train import distributed
+from olmoflow.train.config import (
+    CheckpointConfig,
+    LogConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from olmoflow.train.trainer import METRICS, Trainer
 
 VOCAB, SEQ, STEPS, SAVE = 96, 16, 6, 3
@@ -51,8 +58,10 @@ def make_trainer(folder: Path, data_parallel: str = "ddp", resume_from: str | No
     # Tokens from a 12-symbol subset of the vocabulary: the loss falls fast from ln(96).
     data = InstanceDataset([rng.integers(0, 12, 40 * SEQ + 1).astype(np.uint16)], SEQ)
     cfg = TrainConfig(sequence_length=SEQ, global_batch_size=8, micro_batch_size=2,
-                      max_steps=STEPS, lr=1e-2, warmup_steps=2, save_interval=SAVE, log_interval=1,
-                      num_threads=1, data_parallel=data_parallel, resume_from=resume_from)
+                      max_steps=STEPS, num_threads=1, optimizer=OptimizerConfig(lr=1e-2),
+                      schedule=ScheduleConfig(warmup_steps=2), log=LogConfig(interval=1),
+                      checkpoint=CheckpointConfig(save_interval=SAVE, resume_from=resume_from),
+                      parallel=ParallelConfig(data_parallel=data_parallel))
     torch.manual_seed(0)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = Olmo(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1,
@@ -73,7 +82,8 @@ def assert_same(run: Path, ref: Path, steps) -> None:
     for s in steps:
         for key in ("loss", "grad_norm"):
             assert abs(a[s][key] - b[s][key]) <= TOL, (run.name, s, key, a[s][key], b[s][key])
-        assert a[s]["tokens"] == b[s]["tokens"] and a[s]["lr"] == pytest.approx(b[s]["lr"], abs=1e-12)
+        assert a[s]["tokens"] == b[s]["tokens"]
+        assert a[s]["lr"] == pytest.approx(b[s]["lr"], abs=1e-12)
 
 
 def _worker(spec: dict) -> None:
@@ -102,15 +112,17 @@ def runs(tmp_path_factory) -> Path:
     from olmoflow.cli import main
 
     flow = [f"--run-dir={root / 'flow2'}", "--no-progress", "train.max_steps=4",
-            "train.log_interval=1", "train.num_threads=1", "train.data_parallel=fsdp"]
+            "train.log.interval=1", "train.num_threads=1", "train.parallel.data_parallel=fsdp"]
     for stage in ("collect", "clean", "train-tokenizer", "tokenize"):
         assert main([stage, "tiny", *flow]) == 0
     shutil.copytree(root / "flow2", root / "flow1")
     assert main(["pretrain", "tiny", *flow[1:], f"--run-dir={root / 'flow1'}"]) == 0
     jobs = [{"folder": str(root / "ddp"), "data_parallel": "ddp"},
             {"folder": str(root / "fsdp"), "data_parallel": "fsdp"},
-            {"folder": str(root / "resume12_fsdp"), "data_parallel": "fsdp", "resume_from": f"step{SAVE}"},
-            {"folder": str(root / "resume12_ddp"), "data_parallel": "ddp", "resume_from": f"step{SAVE}"},
+            {"folder": str(root / "resume12_fsdp"), "data_parallel": "fsdp",
+             "resume_from": f"step{SAVE}"},
+            {"folder": str(root / "resume12_ddp"), "data_parallel": "ddp",
+             "resume_from": f"step{SAVE}"},
             {"folder": str(root / "fsdp_meta"), "data_parallel": "fsdp", "meta": True}]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

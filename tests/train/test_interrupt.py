@@ -18,17 +18,17 @@ import torch
 
 from olmoflow.cli import main
 from olmoflow.pipeline.config import load_config
-from olmoflow.export import load_step_model
 from olmoflow.pipeline.runner import run_pipeline
+from olmoflow.release.export import load_step_model
 from olmoflow.tokenizer import Tokenizer
 from olmoflow.train.checkpoint import parse_checkpoint_name, resolve_checkpoint
 
 STEPS = 100
 # The tiny preset on the stdlib corpus, shrunk so a step takes milliseconds; one thread so the
 # three processes reduce in the same order.
-TRAIN = [f"train.max_steps={STEPS}", "train.log_interval=1", "train.save_interval=0",
+TRAIN = [f"train.max_steps={STEPS}", "train.log.interval=1", "train.checkpoint.save_interval=0",
          "train.num_threads=1", "train.sequence_length=32", "train.global_batch_size=4",
-         "train.micro_batch_size=4", "train.keep_last=1"]
+         "train.micro_batch_size=4", "train.checkpoint.keep_last=1"]
 
 
 def pretrain_args(run: Path, *extra: str) -> list[str]:

@@ -9,13 +9,13 @@ import struct
 import numpy as np
 import pytest
 import torch
+from resume_helpers import parse_train_config
 
-from olmoflow.pipeline.config import load_config
-from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
+from olmoflow.pipeline.config import load_config
 from olmoflow.train.loggers import read_log, scalars
 from olmoflow.train.trainer import METRICS, Trainer
 
@@ -38,10 +38,10 @@ def hermetic(tmp_path, monkeypatch):
 def train(folder, loggers: list[str], steps: int = 4, **cfg_kw) -> list[dict]:
     rng = np.random.default_rng(0)
     data = InstanceDataset([rng.integers(0, VOCAB, 20 * SEQ).astype(np.uint16)], SEQ)
-    cfg = TrainConfig(**{**dict(sequence_length=SEQ, global_batch_size=2, micro_batch_size=2,
-                                max_steps=steps, lr=1e-2, warmup_steps=1, save_interval=0,
-                                log_interval=1, num_threads=1, detailed_log_interval=2,
-                                loggers=loggers), **cfg_kw})
+    cfg = parse_train_config(**{**dict(
+        sequence_length=SEQ, global_batch_size=2, micro_batch_size=2, max_steps=steps,
+        optimizer__lr=1e-2, schedule__warmup_steps=1, checkpoint__save_interval=0,
+        log__interval=1, num_threads=1, log__detailed_interval=2, log__loggers=loggers), **cfg_kw})
     torch.manual_seed(0)
     model = Olmo(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
                              max_sequence_length=64, sliding_window=None))
@@ -121,18 +121,20 @@ def test_wandb_offline_run_holds_the_log(tmp_path):
 
 def test_unknown_writer_is_named_with_a_hint():
     with pytest.raises(OlmoflowError, match="did you mean 'tensorboard'"):
-        load_config("demo", ["train.loggers=[tensorbaord]"])
-    assert load_config("demo", ["train.loggers=wandb"]).train.loggers == ["wandb"]
+        load_config("demo", ["train.log.loggers=[tensorbaord]"])
+    assert load_config("demo", ["train.log.loggers=wandb"]).train.log.loggers == ["wandb"]
 
 
 def test_tensorboard_after_resume_shows_each_step_once(tmp_path):
     """A run stopped after step 4 and resumed from its step-2 checkpoint rewrites steps 3-4:
-    TensorBoard hides the first run's events from step 3 on (purge_step), so every step shows once."""
+    TensorBoard hides the first run's events from step 3 on (purge_step), so every step shows
+    once."""
     pytest.importorskip("tensorboard", reason="the loggers extra is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(tmp_path, ["tensorboard"], steps=4, save_interval=2)
-    log = train(tmp_path, ["tensorboard"], steps=4, save_interval=2, resume_from="step2")
+    train(tmp_path, ["tensorboard"], steps=4, checkpoint__save_interval=2)
+    log = train(tmp_path, ["tensorboard"], steps=4, checkpoint__save_interval=2,
+                checkpoint__resume_from="step2")
     assert [r["step"] for r in log] == [1, 2, 3, 4]  # the trainer trimmed its JSONL to match
     acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()

@@ -13,14 +13,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from resume_helpers import parse_train_config
 
-from olmoflow.train.config import TrainConfig
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.attention import AttentionMask
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.layers import apply_rotary
 from olmoflow.model.olmo import Olmo
+from olmoflow.train.config import LogConfig
 from olmoflow.train.metrics import (
     TrainingMetrics,
     attention_probs,
@@ -43,10 +44,10 @@ def model_config(**kw) -> ModelConfig:
 def run_trainer(folder, detailed: int, steps: int = 4, dropout: float = 0.0, **cfg_kw) -> Trainer:
     rng = np.random.default_rng(0)
     data = InstanceDataset([rng.integers(0, VOCAB, 40 * SEQ).astype(np.uint16)], SEQ)
-    cfg = TrainConfig(**{**dict(sequence_length=SEQ, global_batch_size=4, micro_batch_size=2,
-                                max_steps=steps, lr=1e-2, warmup_steps=1, save_interval=0,
-                                log_interval=1, num_threads=1, detailed_log_interval=detailed),
-                         **cfg_kw})
+    cfg = parse_train_config(**{**dict(
+        sequence_length=SEQ, global_batch_size=4, micro_batch_size=2, max_steps=steps,
+        optimizer__lr=1e-2, schedule__warmup_steps=1, checkpoint__save_interval=0,
+        log__interval=1, num_threads=1, log__detailed_interval=detailed), **cfg_kw})
     torch.manual_seed(0)
     model = Olmo(model_config(dropout=dropout, n_kv_heads=2))
     trainer = Trainer(model, cfg, DataLoader(data, cfg.global_batch_size, seed=3), folder,
@@ -81,7 +82,8 @@ def test_detailed_log_is_wide_complete_and_finite(tmp_path):
         assert k in detailed, k
     assert 0 < detailed["perf/mfu"] < 1
     assert detailed["perf/mfu"] == pytest.approx(
-        detailed["perf/tokens_per_s"] * detailed["perf/flops_per_token"] / detailed["perf/peak_flops"])
+        detailed["perf/tokens_per_s"] * detailed["perf/flops_per_token"]
+        / detailed["perf/peak_flops"])
     assert detailed["sys/peak_rss_gb"] >= detailed["sys/rss_gb"] > 0.01
 
 
@@ -99,14 +101,16 @@ def test_detailed_log_does_not_change_training(tmp_path):
 def test_per_tensor_grad_norms_add_up_to_the_global_norm(tmp_path):
     """The per-tensor norms are taken before clipping: their root-sum-square is the global norm
     that clip_grad_norm_ reports, and each layer's norm is the root-sum-square of its tensors."""
-    run_trainer(tmp_path, detailed=1, steps=2, grad_clip=1e-3)  # clipping active on every step
+    run_trainer(tmp_path, detailed=1, steps=2, max_grad_norm=1e-3)  # clipping active on every step
     for r in read(tmp_path):
         tensors = {k: v for k, v in r.items() if k.startswith("grad_norm/") and "layer." not in k}
         assert len(tensors) == 11 * LAYERS + 3
-        assert math.sqrt(sum(v * v for v in tensors.values())) == pytest.approx(r["grad_norm"], rel=1e-5)
+        total = math.sqrt(sum(v * v for v in tensors.values()))
+        assert total == pytest.approx(r["grad_norm"], rel=1e-5)
         for i in range(LAYERS):
             mine = [v for k, v in tensors.items() if k.startswith(f"grad_norm/blocks.{i}.")]
-            assert math.sqrt(sum(v * v for v in mine)) == pytest.approx(r[f"grad_norm/layer.{i}"], rel=1e-6)
+            layer = math.sqrt(sum(v * v for v in mine))
+            assert layer == pytest.approx(r[f"grad_norm/layer.{i}"], rel=1e-6)
 
 
 def test_update_ratio_is_lr_times_grad_over_weight_for_sgd():
@@ -194,13 +198,14 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
 
 
 def test_detailed_log_interval_is_validated():
-    with pytest.raises(OlmoflowError, match="detailed_log_interval"):
-        TrainConfig(detailed_log_interval=-1)
+    with pytest.raises(OlmoflowError, match="train.log.detailed_interval"):
+        LogConfig(detailed_interval=-1)
     with pytest.raises(ValueError):
         TrainingMetrics(Olmo(model_config()), interval=0)
 
 
-DETAIL = ("grad_norm/", "param_norm/", "update_ratio/", "act_rms/", "attn_entropy/", "attn_max_prob/")
+DETAIL = ("grad_norm/", "param_norm/", "update_ratio/", "act_rms/", "attn_entropy/",
+          "attn_max_prob/")
 
 
 @pytest.mark.slow
@@ -212,7 +217,8 @@ def test_two_processes_log_what_one_logs(tmp_path):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", __file__, str(tmp_path)],
-                          capture_output=True, text=True, timeout=180, env={**env, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=180,
+                          env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = read(tmp_path / "single")
     for mode in ("ddp", "fsdp"):
@@ -233,4 +239,4 @@ if __name__ == "__main__":  # the 2-process half of test_two_processes_log_what_
     torch.set_num_threads(1)
     distributed.init_from_env()
     for mode in ("ddp", "fsdp"):
-        run_trainer(Path(sys.argv[1]) / mode, detailed=1, steps=2, data_parallel=mode)
+        run_trainer(Path(sys.argv[1]) / mode, detailed=1, steps=2, parallel__data_parallel=mode)

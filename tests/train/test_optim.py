@@ -9,11 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from olmoflow.data.loader import DataLoader, InstanceDataset
-from olmoflow.model.olmo import Block
-from olmoflow.train.optim import OptimizerList, SkipStepAdamW, muon_params
-from olmoflow.train.trainer import Trainer
 from resume_helpers import (
     SEQ,
     assert_resume_exact,
@@ -25,6 +20,10 @@ from resume_helpers import (
     train_config,
 )
 
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.model.olmo import Block
+from olmoflow.train.optim import OptimizerList, SkipStepAdamW, muon_params
+from olmoflow.train.trainer import Trainer
 
 
 def pattern_trainer(folder, **cfg_kw) -> Trainer:
@@ -39,7 +38,7 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-# --- skip-step AdamW -------------------------------------------------------------------------------
+# --- skip-step AdamW ------------------------------------------------------------------------------
 
 
 def test_skip_step_decision_follows_the_rolling_history():
@@ -61,13 +60,13 @@ def test_skip_step_decision_follows_the_rolling_history():
 
 def test_skip_step_adamw_skips_an_injected_spike_and_only_it(tmp_path):
     plain = pattern_trainer(tmp_path / "plain", max_steps=12)
-    skip = pattern_trainer(tmp_path / "skip", max_steps=12, optimizer="skip_step_adamw",
-                           skip_step_window=8, skip_step_sigma=6.0)
+    skip = pattern_trainer(tmp_path / "skip", max_steps=12, optimizer__type="skip_step_adamw",
+                           optimizer__skip_step_window=8, optimizer__skip_step_sigma=6.0)
     assert isinstance(skip.optimizer, SkipStepAdamW)
     batches = [plain.loader.next_batch() for _ in range(12)]
     for b in batches[:10]:  # no spike: exactly AdamW, step for step
-        mp = plain.train_step(b.input_ids, b.labels)
-        ms = skip.train_step(b.input_ids, b.labels)
+        mp = plain.train_step(b)
+        ms = skip.train_step(b)
         assert ms["skipped"] == 0 and ms["loss"] == mp["loss"]
     for (n, a), b in zip(plain.model.named_parameters(), skip.model.parameters()):
         assert torch.equal(a, b), n
@@ -83,14 +82,14 @@ def test_skip_step_adamw_skips_an_injected_spike_and_only_it(tmp_path):
     before, moments = weights(skip.model), {p: {k: v.clone() for k, v in s.items()}
                                             for p, s in skip.optimizer.state.items()}
     skip.model.forward = spiking_forward
-    m = skip.train_step(batches[10].input_ids, batches[10].labels)
+    m = skip.train_step(batches[10])
     skip.model.forward = forward
     assert m["skipped"] == 1 and m["loss"] > 50 * mp["loss"]
     after = weights(skip.model)
     assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step moved weights"
     for p, s in skip.optimizer.state.items():
         assert all(torch.equal(v, moments[p][k]) for k, v in s.items()), "moments changed"
-    m = skip.train_step(batches[11].input_ids, batches[11].labels)  # the next step is normal
+    m = skip.train_step(batches[11])  # the next step is normal
     assert m["skipped"] == 0
     assert any(not torch.equal(after[n], p) for n, p in skip.model.named_parameters())
 
@@ -99,7 +98,8 @@ def test_skip_step_adamw_skips_an_injected_spike_and_only_it(tmp_path):
 
 
 def test_muon_owns_the_hidden_matrices_and_trains(tmp_path):
-    t = pattern_trainer(tmp_path, optimizer="muon", lr=1e-2, muon_lr=0.02)
+    t = pattern_trainer(tmp_path, optimizer__type="muon", optimizer__lr=1e-2,
+                        optimizer__muon_lr=0.02)
     assert isinstance(t.optimizer, OptimizerList)
     adamw, muon = t.optimizer.optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
@@ -124,9 +124,10 @@ def test_muon_owns_the_hidden_matrices_and_trains(tmp_path):
 
 
 @pytest.mark.parametrize("cfg_kw", [
-    dict(optimizer="muon"),
+    dict(optimizer__type="muon"),
     # a small window and sigma make skips happen on both sides of the resume
-    dict(optimizer="skip_step_adamw", skip_step_window=4, skip_step_sigma=0.5),
+    dict(optimizer__type="skip_step_adamw", optimizer__skip_step_window=4,
+         optimizer__skip_step_sigma=0.5),
 ], ids=["muon", "skip_step_adamw"])
 def test_resume_in_a_fresh_process_is_bit_exact_with_each_optimizer(tmp_path, cfg_kw):
     straight = make_trainer(tmp_path / "straight", 27, 0.0, **cfg_kw)
@@ -134,7 +135,7 @@ def test_resume_in_a_fresh_process_is_bit_exact_with_each_optimizer(tmp_path, cf
     run_until_crash(tmp_path / "resumed", 27, 0.0, crash_at=13, **cfg_kw)
     resumed = resume_in_fresh_process(tmp_path / "resumed", 27, 0.0, **cfg_kw)
     assert_resume_exact(straight, tmp_path / "straight", resumed, tmp_path / "resumed", 10)
-    if cfg_kw["optimizer"] == "skip_step_adamw":
+    if cfg_kw["optimizer__type"] == "skip_step_adamw":
         skipped = [s for s, r in read_metrics(tmp_path / "straight").items() if r["skipped"]]
         assert any(s <= 10 for s in skipped) and any(s > 10 for s in skipped), skipped
 
@@ -171,14 +172,16 @@ def test_activation_checkpointing_recomputes_blocks_with_equal_gradients(tmp_pat
             InstanceDataset([np.zeros(100, np.uint16)], SEQ), 4, seed=0), tmp_path, progress=False)
         counts = [0] * 3
         for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+            block.register_forward_pre_hook(
+                lambda *_, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
         model.train()
         torch.manual_seed(0)  # the same dropout masks in every run
         model(ids, labels).loss.backward()
         grads[n] = {k: p.grad.clone() for k, p in model.named_parameters()}
         calls[n] = counts
         assert t.model.activation_checkpointing == n
-    assert calls == {0: [1, 1, 1], 1: [2, 2, 2], 2: [2, 1, 2]}  # blocks 0 and 2 run again in backward
+    # blocks 0 and 2 run again in backward
+    assert calls == {0: [1, 1, 1], 1: [2, 2, 2], 2: [2, 1, 2]}
     for n in (1, 2):
         for k in grads[0]:
             torch.testing.assert_close(grads[n][k], grads[0][k], atol=1e-6, rtol=0, msg=k)

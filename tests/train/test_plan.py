@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from olmoflow.cli import main
-from olmoflow.pipeline.config import load_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
+from olmoflow.pipeline.config import load_config
 from olmoflow.train.plan import (
     GB,
     activation_bytes_per_token,
@@ -61,8 +61,9 @@ def test_official_7b_plan_closed_forms():
     cfg = load_config("olmo3_7b").model
     p = cfg.num_params()
     assert p == OLMO2_7B_PARAMS
-    ddp = memory_plan(cfg, world_size=8, data_parallel="ddp", micro_batch_size=2, sequence_length=8192)
-    fsdp = memory_plan(cfg, world_size=8, data_parallel="fsdp", micro_batch_size=2, sequence_length=8192)
+    shape = {"world_size": 8, "micro_batch_size": 2, "sequence_length": 8192}
+    ddp = memory_plan(cfg, data_parallel="ddp", **shape)
+    fsdp = memory_plan(cfg, data_parallel="fsdp", **shape)
     assert ddp.params == fsdp.params == p
     # 16 bytes per parameter for mixed-precision AdamW with fp32 master weights, / N under FSDP.
     assert (ddp.weights, ddp.gradients, ddp.optimizer) == (4 * p, 4 * p, 8 * p)
@@ -89,10 +90,12 @@ def test_checkpointing_every_n_blocks_and_max_micro_batch():
     assert every == 4 * 4 * 128 + block + 12 * 128 + 24
     assert half == 2 * block + 2 * 4 * 128 + block + 12 * 128 + 24  # blocks 0 and 2 recomputed
     assert every < half < none
-    plan = memory_plan(cfg, world_size=2, data_parallel="fsdp", micro_batch_size=1, sequence_length=512)
+    plan = memory_plan(cfg, world_size=2, data_parallel="fsdp", micro_batch_size=1,
+                       sequence_length=512)
     gpu = 2.5 * GB
     m = plan.max_micro_batch(gpu, checkpointed=False)
-    at = memory_plan(cfg, world_size=2, data_parallel="fsdp", micro_batch_size=m, sequence_length=512)
+    at = memory_plan(cfg, world_size=2, data_parallel="fsdp", micro_batch_size=m,
+                     sequence_length=512)
     above = memory_plan(cfg, world_size=2, data_parallel="fsdp", micro_batch_size=m + 1,
                         sequence_length=512)
     assert at.total(False) <= gpu < above.total(False)
@@ -124,9 +127,10 @@ def test_official_configs_match_presets_and_the_launch_guide():
     from olmoflow.train.plan import plan_config
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "launch.md").read_text()
-    for name, params, gpus in (("olmo3_7b", OLMO2_7B_PARAMS, 64), ("olmo3_32b", 32_234_279_936, 128)):
+    for name, params, gpus in (("olmo3_7b", OLMO2_7B_PARAMS, 64),
+                               ("olmo3_32b", 32_234_279_936, 128)):
         cfg = load_config(name)
         preset = get_preset(name, max_sequence_length=8192, yarn_factor=None)
         assert cfg.model == preset and cfg.model.num_params() == params
-        assert cfg.train.data_parallel == "fsdp"
+        assert cfg.train.parallel.data_parallel == "fsdp"
         assert plan_config(cfg, gpus) in guide, f"docs/launch.md is out of date for {name}"

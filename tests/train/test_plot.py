@@ -11,7 +11,13 @@ import torch
 from PIL import Image
 
 from olmoflow.cli import main
-from olmoflow.train.config import TrainConfig
+from olmoflow.train.config import (
+    CheckpointConfig,
+    LogConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
@@ -30,8 +36,10 @@ def run_dir(tmp_path_factory):
     rng = np.random.default_rng(0)
     data = InstanceDataset([rng.integers(0, VOCAB, 30 * SEQ).astype(np.uint16)], SEQ)
     cfg = TrainConfig(sequence_length=SEQ, global_batch_size=4, micro_batch_size=4, max_steps=6,
-                      lr=1e-2, warmup_steps=1, save_interval=0, log_interval=1, num_threads=1,
-                      detailed_log_interval=2)
+                      num_threads=1, optimizer=OptimizerConfig(lr=1e-2),
+                      schedule=ScheduleConfig(warmup_steps=1),
+                      checkpoint=CheckpointConfig(save_interval=0),
+                      log=LogConfig(interval=1, detailed_interval=2))
     torch.manual_seed(0)
     model = Olmo(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=LAYERS, n_heads=HEADS,
                              mlp_hidden=64, max_sequence_length=64, sliding_window=None))

@@ -12,13 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from olmoflow.data.loader import DataLoader, InstanceDataset
-from olmoflow.errors import OlmoflowError
-from olmoflow.model.olmo import IGNORE_INDEX
-from olmoflow.train.checkpoint import checkpoint_name
-from olmoflow.train.schedule import lr_at
-from olmoflow.train.trainer import Trainer
 from resume_helpers import (
     SEQ,
     VOCAB,
@@ -33,7 +26,12 @@ from resume_helpers import (
     train_config,
 )
 
-
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.errors import OlmoflowError
+from olmoflow.model.olmo import IGNORE_INDEX
+from olmoflow.train.checkpoint import checkpoint_name
+from olmoflow.train.schedule import lr_at
+from olmoflow.train.trainer import Trainer
 
 # --- gradient accumulation ------------------------------------------------------------------------
 
@@ -90,15 +88,15 @@ def one_trainer_step(micro_batch_size: int, tmp_path: Path, **cfg_kw):
         return step(*a, **k)
 
     trainer.optimizer.step = capture_then_step
-    metrics = trainer.train_step(ids, labels)
+    metrics = trainer.train_step({"input_ids": ids, "labels": labels})
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return metrics, captured, weights
 
 
 @pytest.mark.parametrize("grad_clip", [1.0, 0.0])
 def test_train_step_micro_batches_match_one_batch(tmp_path, grad_clip):
-    m1, g1, w1 = one_trainer_step(1, tmp_path, grad_clip=grad_clip)
-    m2, g2, w2 = one_trainer_step(2, tmp_path, grad_clip=grad_clip)
+    m1, g1, w1 = one_trainer_step(1, tmp_path, max_grad_norm=grad_clip)
+    m2, g2, w2 = one_trainer_step(2, tmp_path, max_grad_norm=grad_clip)
     assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
     assert m1["ce_loss"] == pytest.approx(m2["ce_loss"], abs=1e-6)
     assert m1["z_loss"] == pytest.approx(m2["z_loss"], abs=1e-9)
@@ -118,7 +116,7 @@ def test_trainer_rejects_global_batch_not_multiple_of_micro_batch(tmp_path):
                 DataLoader(dataset(8), 4, seed=0), tmp_path, progress=False)
 
 
-# --- exact resume ----------------------------------------------------------------------------------
+# --- exact resume ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -156,13 +154,13 @@ def test_resume_from_an_old_style_step_directory(tmp_path):
     new = tmp_path / "stage1-step10-tokens320"
     new.rename(tmp_path / "step10")
     (tmp_path / "latest").unlink()
-    t = make_trainer(tmp_path, 27, 0.0, resume_from="latest", max_steps=11)
+    t = make_trainer(tmp_path, 27, 0.0, checkpoint__resume_from="latest", max_steps=11)
     t.fit()
     assert t.step == 11 and sorted(read_metrics(tmp_path)) == list(range(1, 12))
 
 
 def test_resume_without_checkpoint_is_user_error(tmp_path):
-    t = make_trainer(tmp_path / "empty", 27, 0.0, resume_from="latest")
+    t = make_trainer(tmp_path / "empty", 27, 0.0, checkpoint__resume_from="latest")
     with pytest.raises(OlmoflowError, match="no complete checkpoint"):
         t.fit()
 
@@ -171,7 +169,7 @@ def test_training_reduces_loss(tmp_path):
     # A repeating pattern is learnable in a few steps.
     arrays = [np.tile(np.arange(16, dtype=np.uint16), 40)]
     loader = DataLoader(InstanceDataset(arrays, SEQ), 4, seed=0)
-    t = Trainer(build_model(), train_config(max_steps=30, lr=1e-2), loader, tmp_path,
+    t = Trainer(build_model(), train_config(max_steps=30, optimizer__lr=1e-2), loader, tmp_path,
                 progress=False)
     summary = t.fit()
     m = read_metrics(tmp_path)
@@ -181,13 +179,13 @@ def test_training_reduces_loss(tmp_path):
 
 
 def test_log_interval_zero_logs_only_the_last_step(tmp_path):
-    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, log_interval=0, save_interval=0)
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, log__interval=0, checkpoint__save_interval=0)
     t.fit()
     assert sorted(read_metrics(tmp_path)) == [4]
     assert (tmp_path / "latest").read_text().strip() == "stage1-step4-tokens128"
 
 
-# --- data loader -----------------------------------------------------------------------------------
+# --- data loader ----------------------------------------------------------------------------------
 
 
 def test_instances_tile_the_token_stream():
@@ -286,9 +284,10 @@ def test_too_little_data_is_user_error():
 
 def test_warmup_is_linear():
     for schedule in ("cosine", "linear", "wsd", "constant"):
-        lrs = [lr_at(s, lr=1.0, warmup_steps=10, max_steps=100, schedule=schedule) for s in range(10)]
+        kw = {"lr": 1.0, "warmup_steps": 10, "max_steps": 100, "schedule": schedule}
+        lrs = [lr_at(s, **kw) for s in range(10)]
         assert lrs == pytest.approx([(s + 1) / 10 for s in range(10)])
-        assert lr_at(10, lr=1.0, warmup_steps=10, max_steps=100, schedule=schedule) == pytest.approx(1.0)
+        assert lr_at(10, **kw) == pytest.approx(1.0)
 
 
 def test_cosine_reaches_min_at_max_steps():
@@ -321,7 +320,7 @@ def test_constant_schedule():
 
 
 def test_unknown_schedule_is_user_error():
-    with pytest.raises(OlmoflowError, match="unknown train.schedule 'cosin'.*cosine"):
+    with pytest.raises(OlmoflowError, match="unknown train.schedule.type 'cosin'.*cosine"):
         lr_at(0, lr=1.0, warmup_steps=0, max_steps=10, schedule="cosin")
 
 

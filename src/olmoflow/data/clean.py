@@ -2,13 +2,14 @@
 
 Rules run in this order on each document, and the first that fires names the removal:
 too short, too long (stripped text length in characters), duplicate (the same text, byte for byte,
-as an earlier kept document). Kept documents are written unchanged and in their original order, so
-cleaning a cleaned file changes nothing.
+as an earlier kept document: the data engine's exact-dedup key,
+:func:`olmoflow.data.dedup.exact_key`). Kept documents are written unchanged and in their original
+order, so cleaning a cleaned file changes nothing. This is the one-machine front door; the data engine's ``dedup`` step does the
+same exact deduplication (and more) over shards.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from olmoflow.artifacts import StageResult
 from olmoflow.data.config import CleanConfig
+from olmoflow.data.dedup import exact_key
 from olmoflow.data.documents import DOCUMENTS, read_documents, write_documents
 from olmoflow.errors import OlmoflowError
 
@@ -35,16 +37,11 @@ def _check_config(cfg: CleanConfig) -> None:
         )
 
 
-def _text_key(text: str) -> bytes:
-    """Exact-duplicate key: sha1 of the UTF-8 text (20 bytes, not the text, kept per document)."""
-    return hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).digest()
-
-
 def _kept(
     docs: Iterator[dict[str, Any]], cfg: CleanConfig, counts: dict[str, int]
 ) -> Iterator[dict[str, Any]]:
     """The documents that pass every rule; ``counts`` is updated as they stream through."""
-    seen: set[bytes] = set()
+    seen: set[tuple[int, int]] = set()
     for doc in docs:
         counts["input_documents"] += 1
         text = doc["text"]
@@ -56,7 +53,7 @@ def _kept(
             counts["removed_too_long"] += 1
             continue
         if cfg.dedup:
-            key = _text_key(text)
+            key = exact_key(text)
             if key in seen:
                 counts["removed_duplicate"] += 1
                 continue

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-STEP_VERBS = ("ingest", "tag", "dedup", "decontaminate", "mix", "tokenize")
+from olmoflow.data.config import STEPS as STEP_VERBS
+
 CONFIG_FILE = "config.yaml"
 
 
@@ -98,6 +99,8 @@ def _run(args: argparse.Namespace) -> None:
     engine.run(steps, on_step=lambda o: print(summary_line(o), flush=True))
     if args.action in ("run", "mix", "tokenize"):
         print(f"report: olmoflow data report {engine.root}")
+    if args.action in ("run", "tokenize") and (engine.step_dir("tokenize") / "meta.json").is_file():
+        print(f"train:  olmoflow run CONFIG train.data={engine.step_dir('tokenize')}")
 
 
 def _report(args: argparse.Namespace) -> None:

@@ -1,8 +1,22 @@
-"""Config sections of the data path: collect, clean and tokenize."""
+"""Config sections of the data path: the main flow's collect, clean and tokenize, and the data
+engine's whole config (:class:`DataConfig`: sources, quality, taggers, dedup, decontaminate, mixer,
+tokenize), parsed by the one parser of run configs (:func:`olmoflow.config.from_dict`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
+from typing import Any
+
+from olmoflow.config import all_keys, from_dict, load_tree, note_renamed
+from olmoflow.errors import OlmoflowError, unknown_name_error
+
+#: The data engine's steps, in pipeline order.
+STEPS = ("ingest", "tag", "dedup", "decontaminate", "mix", "tokenize")
+#: Where each step writes (its manifest.json lies there).
+STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attributes/dedup",
+             "decontaminate": "attributes/decontam", "mix": "mixed", "tokenize": "tokens"}
 
 
 @dataclass
@@ -38,3 +52,138 @@ class TokenizeConfig:
 
     heldout_fraction: float = 0.02
     heldout_max_documents: int = 200
+
+
+# ---- the data engine -----------------------------------------------------------------------------
+
+
+@dataclass
+class SourceConfig:
+    """One named source: files, directories or globs (relative to the current directory) read
+    by the reader their suffix names (``.txt``, ``.jsonl[.gz|.zst]``, ``.json.gz``, ``.parquet``,
+    ``.warc[.gz]``), ``stdlib``, or ``hf://name[:config]/split``. ``options`` go to the reader
+    (e.g. ``text_field``, ``max_shard_bytes``)."""
+
+    name: str = ""
+    paths: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QualityConfig:
+    """Train the fastText quality classifier before tagging (when ``labeled`` is given): DCLM-style
+    ``{text, label}`` JSONL files; the model goes to ``DIR/quality`` and the ``quality`` tagger
+    uses it. ``options`` go to ``train_quality``."""
+
+    labeled: list[str] = field(default_factory=list)
+    model: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TokenizeStepConfig:
+    """Token arrays: ``tokenizer`` is a directory with ``tokenizer.json`` (e.g. from
+    ``olmoflow train-tokenizer`` or an OLMo release); when None, a tokenizer of
+    ``implementation`` and ``vocab_size`` is trained on the mixed documents into
+    ``DIR/tokenizer`` (the main flow's trainer). The held-out split follows the main flow's rule:
+    whole documents with ``heldout_score(seed, id) < heldout_fraction``, at most
+    ``heldout_max_documents``."""
+
+    tokenizer: str | None = None
+    implementation: str = "bpe"
+    vocab_size: int = 8192
+    min_frequency: int = 2
+    dtype: str = "auto"
+    workers: int | None = None
+    seed: int = 0
+    heldout_fraction: float = 0.02
+    heldout_max_documents: int = 200
+
+
+@dataclass
+class DataConfig:
+    """A data engine run (see the module docstring and docs/data.md)."""
+
+    output: str = "runs/data"
+    executor: str = "local"
+    workers: int | None = None
+    ray_address: str | None = None
+    strict: bool = False
+    steps: list[str] = field(default_factory=lambda: list(STEPS))
+    sources: list[SourceConfig] = field(default_factory=list)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    taggers: list[Any] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+    dedup: dict[str, Any] = field(default_factory=dict)
+    decontaminate: dict[str, Any] = field(default_factory=dict)
+    mixer: dict[str, Any] = field(default_factory=dict)
+    tokenize: TokenizeStepConfig = field(default_factory=TokenizeStepConfig)
+
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """Accept the section's old name: ``decontamination`` is ``decontaminate`` (the step's
+        name; its attribute set on disk stays ``decontam``)."""
+        if "decontamination" in data:
+            note_renamed(f"{prefix}decontamination", f"{prefix}decontaminate")
+            old = data.pop("decontamination")
+            if "decontaminate" in data:
+                raise OlmoflowError("the config has both 'decontamination' and 'decontaminate'; "
+                                    "keep 'decontaminate'")
+            data["decontaminate"] = old
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for YAML, manifests and fingerprints)."""
+        return dataclasses.asdict(self)
+
+
+def validate(cfg: DataConfig) -> DataConfig:
+    """Check choices and names; return ``cfg``.
+
+    Raises:
+        OlmoflowError: unknown executor or step, a source without name or paths, or two sources
+            with the same name.
+    """
+    from olmoflow.data.executor import EXECUTORS
+
+    if cfg.executor not in EXECUTORS:
+        raise unknown_name_error("executor", cfg.executor, EXECUTORS)
+    for s in cfg.steps:
+        if s not in STEPS:
+            raise unknown_name_error("step", s, STEPS)
+    seen = set()
+    for i, s in enumerate(cfg.sources):
+        if not s.name or not s.paths:
+            raise OlmoflowError(f"sources[{i}] needs a 'name' and a list of 'paths'")
+        if s.name in seen:
+            raise OlmoflowError(f"two sources are named '{s.name}'")
+        if "/" in s.name or s.name.startswith("."):
+            raise OlmoflowError(f"source name '{s.name}' must be a plain directory name")
+        seen.add(s.name)
+    for n in (cfg.workers, cfg.tokenize.workers):
+        if n is not None and n < 1:
+            raise OlmoflowError(f"workers must be a positive integer, got {n}")
+    return cfg
+
+
+def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None,
+                     values: dict[str, Any] | None = None) -> DataConfig:
+    """Load a data engine YAML config (a file, or a preset name under ``configs/data/``), apply
+    dotted ``key=value`` overrides, validate it. Parsed by :func:`olmoflow.config.from_dict`, the
+    parser of run configs, so unknown keys and bad values get the same messages.
+
+    Raises:
+        OlmoflowError: a missing file, invalid YAML (file and line), an unknown key (with the
+            closest valid key) or a bad value.
+    """
+    tree = load_tree(str(path), overrides, values, subdir="data")
+    universe = all_keys(DataConfig)
+    sources = tree.pop("sources", [])
+    if not isinstance(sources, list):
+        raise OlmoflowError("config key 'sources' expects a list of {name, paths}")
+    cfg = from_dict(DataConfig, tree, universe=universe)
+    # Each source is named by its position, so a typo points at the entry that has it.
+    cfg.sources = [from_dict(SourceConfig, s, f"sources[{i}].",
+                             universe=all_keys(SourceConfig, f"sources[{i}]."))
+                   for i, s in enumerate(sources)]
+    return validate(cfg)

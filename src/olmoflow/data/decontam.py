@@ -50,13 +50,13 @@ from olmoflow.data.ngrams import (
     words,
 )
 from olmoflow.data.shards import (
-    RunJobs,
     WORK_DIR,
-    flag_totals,
-    run_global_step,
+    RunJobs,
     doc_level,
+    flag_totals,
     input_signature,
     read_records,
+    run_global_step,
     text_bytes,
     write_jsonl_gz,
 )
@@ -188,7 +188,7 @@ class DecontamConfig:
     action: str = "drop"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | DecontamConfig | None, where: str = "decontam"
+    def from_dict(cls, data: dict[str, Any] | DecontamConfig | None, where: str = "decontaminate"
                   ) -> DecontamConfig:
         """Build and check a config from its YAML mapping.
 
@@ -479,5 +479,5 @@ def decontaminate(
     Raises:
         OlmoflowError: bad config, missing eval files or documents, bad lines when ``strict``.
     """
-    return run_global_step(data_dir, ATTRIBUTE_SET, run_decontam, cfg, executor=executor, workers=workers,
-                           strict=strict, progress=progress)
+    return run_global_step(data_dir, ATTRIBUTE_SET, run_decontam, cfg, executor=executor,
+                           workers=workers, strict=strict, progress=progress)

@@ -46,13 +46,13 @@ from olmoflow.artifacts import atomic_open, sha256_file
 from olmoflow.data.executor import task_key
 from olmoflow.data.ngrams import digest128, ngram_hashes, unique_sorted, word_hashes, words
 from olmoflow.data.shards import (
-    RunJobs,
     WORK_DIR,
-    flag_totals,
-    run_global_step,
+    RunJobs,
     doc_level,
+    flag_totals,
     input_signature,
     read_records,
+    run_global_step,
     text_bytes,
     write_jsonl_gz,
 )
@@ -282,7 +282,7 @@ def dedup_map_shard(task: dict[str, Any]) -> dict[str, Any]:
             n_docs += 1
             n_bytes += text_bytes(text)
         if cfg.exact:
-            exact.append(digest128(text))
+            exact.append(exact_key(text))
         if cfg.key:
             value = None if bad else _lookup(doc, cfg.key)
             present = value is not None and value != ""
@@ -317,6 +317,12 @@ def dedup_map_shard(task: dict[str, Any]) -> dict[str, Any]:
     _save_npz(task["output"], **arrays)
     return {"documents_in": n_docs, "bytes_in": n_bytes, "errors": errors,
             "outputs": [task["output"]]}
+
+
+def exact_key(text: str) -> tuple[int, int]:
+    """The exact-duplicate key of a document's text, as ``dedup.exact`` compares them (and the
+    main flow's ``clean``): its 128-bit BLAKE2b, two 64-bit ints."""
+    return digest128(text)
 
 
 def _later_copies(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -554,5 +560,5 @@ def dedup(
     Raises:
         OlmoflowError: bad config, no documents, and bad lines when ``strict``.
     """
-    return run_global_step(data_dir, ATTRIBUTE_SET, run_dedup, cfg, executor=executor, workers=workers,
-                           strict=strict, progress=progress)
+    return run_global_step(data_dir, ATTRIBUTE_SET, run_dedup, cfg, executor=executor,
+                           workers=workers, strict=strict, progress=progress)

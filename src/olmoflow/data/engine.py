@@ -7,207 +7,66 @@ over a data run directory ``DIR`` (see docs/data.md)::
     DIR/documents/<source>/<shard>.jsonl.gz                 ingest (Dolma documents)
     DIR/attributes/<set>/<source>/<shard>.jsonl.gz          tag (set "tags"), dedup, decontam
     DIR/mixed/<source>/<shard>.jsonl.gz                     mix
-    DIR/tokens/<source>/<shard>.{npy,csv.gz} + meta.json    tokenize
+    DIR/tokens/{train,heldout}/<source>/<shard>.{npy,csv.gz} + meta.json   tokenize
     DIR/<step dir>/manifest.json                            counts per rule and per source
 
 Every step is split by shard and run by :func:`olmoflow.data.executor.run_shards` (a local
-process pool, Ray tasks or serially); global steps (dedup, decontamination) map over shards,
+process pool, Ray tasks or serially); global steps (dedup, decontaminate) map over shards,
 reduce in the driver, then map again to write attributes. A step whose manifest matches its
 fingerprint (its config and the fingerprints of the steps it reads) is skipped whole; inside a
 step, finished shards are skipped by their done-markers (``DIR/.done/<step>/``).
 
-The config is YAML; unknown keys are errors naming the closest valid key. The sections ``dedup``,
-``decontamination`` and ``mixer`` are handed to their modules, which validate them.
+The config is YAML, parsed by :func:`olmoflow.config.from_dict` like run configs: unknown keys are
+errors naming the closest valid key. The sections ``dedup``, ``decontaminate`` and ``mixer`` are
+handed to their modules, which validate them. One name per idea: the step and its config section
+are ``decontaminate``; the attribute set it writes (``attributes/decontam``, attributes
+``decontam__<eval set>``, which mixer rules name) keeps its short name.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import logging
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from olmoflow.artifacts import is_complete, now, read_manifest, sha256_json, write_manifest
-from olmoflow.config import coerce as _coerce, parse_override, read_yaml_mapping, set_dotted as _set_dotted
-from olmoflow.data.executor import EXECUTORS, run_shards, sum_stats
-from olmoflow.errors import OlmoflowError, closest, unknown_name_error
+from olmoflow.data import steps as _steps
+from olmoflow.data.config import (  # re-exported: the engine's config lives with the others
+    STEP_DIRS,
+    STEPS,
+    DataConfig,
+    QualityConfig,
+    SourceConfig,
+    TokenizeStepConfig,
+    load_data_config,
+    validate,
+)
+from olmoflow.data.executor import run_shards
+from olmoflow.data.step_helpers import (  # re-exported for the steps' callers
+    error_count,
+    error_examples,
+    expand_paths,
+    relative_shards,
+    step_stats,
+)
+from olmoflow.errors import OlmoflowError, unknown_name_error
 
 log = logging.getLogger(__name__)
 
-STEPS = ("ingest", "tag", "dedup", "decontaminate", "mix", "tokenize")
 DONE = ".done"
-#: Where each step writes (its manifest.json lies there).
-STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attributes/dedup",
-             "decontaminate": "attributes/decontam", "mix": "mixed", "tokenize": "tokens"}
-MAX_ERROR_EXAMPLES = 20
 #: Directories a step writes besides its own (the quality model, the trained tokenizer).
 SIDE_DIRS = {"tag": ("quality",), "tokenize": ("tokenizer",)}
+#: A step's intermediate files (hashes, the eval index, the mixer's own done-markers), named
+#: after the attribute set the step writes (``decontaminate`` -> ``decontam``).
+WORK_DIRS = {"dedup": "work/dedup", "decontaminate": "work/decontam", "mix": "work/mix"}
 
 
-# ---- config ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class SourceConfig:
-    """One named source: files, directories or globs (relative to the current directory) read
-    by the reader their suffix names (``.txt``, ``.jsonl[.gz|.zst]``, ``.json.gz``, ``.parquet``,
-    ``.warc[.gz]``), ``stdlib``, or ``hf://name[:config]/split``. ``options`` go to the reader
-    (e.g. ``text_field``, ``max_shard_bytes``)."""
-
-    name: str = ""
-    paths: list[str] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class QualityConfig:
-    """Train the fastText quality classifier before tagging (when ``labeled`` is given): DCLM-style
-    ``{text, label}`` JSONL files; the model goes to ``DIR/quality`` and the ``quality`` tagger
-    uses it. ``options`` go to ``train_quality``."""
-
-    labeled: list[str] = field(default_factory=list)
-    model: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class TokenizeStepConfig:
-    """Token arrays: ``tokenizer`` is a directory with ``tokenizer.json`` (e.g. from
-    ``olmoflow train-tokenizer`` or an OLMo release); when None, a byte-level BPE of
-    ``vocab_size`` is trained on the mixed documents into ``DIR/tokenizer``."""
-
-    tokenizer: str | None = None
-    implementation: str = "bpe"
-    vocab_size: int = 8192
-    min_frequency: int = 2
-    dtype: str = "auto"
-    workers: int | None = None
-
-
-@dataclass
-class DataConfig:
-    """A data engine run (see the module docstring and docs/data.md)."""
-
-    output: str = "runs/data"
-    executor: str = "local"
-    workers: int | None = None
-    ray_address: str | None = None
-    strict: bool = False
-    steps: list[str] = field(default_factory=lambda: list(STEPS))
-    sources: list[SourceConfig] = field(default_factory=list)
-    quality: QualityConfig = field(default_factory=QualityConfig)
-    taggers: list[Any] = field(default_factory=list)
-    plugins: list[str] = field(default_factory=list)
-    dedup: dict[str, Any] = field(default_factory=dict)
-    decontamination: dict[str, Any] = field(default_factory=dict)
-    mixer: dict[str, Any] = field(default_factory=dict)
-    tokenize: TokenizeStepConfig = field(default_factory=TokenizeStepConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (for YAML, manifests and fingerprints)."""
-        return dataclasses.asdict(self)
-
-
-def _keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        out += _keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + f.name]
-    return out
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    import typing
-
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, data: Any, prefix: str = "") -> Any:
-    if not isinstance(data, dict):
-        raise OlmoflowError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping")
-    hints, kwargs = _hints(cls), {}
-    names = [f.name for f in dataclasses.fields(cls)]
-    for k, v in data.items():
-        if k not in names:
-            hint = closest(str(k), names)
-            hint = f"{prefix}{hint}" if hint else closest(f"{prefix}{k}", _keys(DataConfig))
-            raise OlmoflowError(f"unknown config key '{prefix}{k}'"
-                                + (f"; did you mean '{hint}'?" if hint else ""))
-        tp = hints[k]
-        if dataclasses.is_dataclass(tp):
-            kwargs[k] = _build(tp, v or {}, f"{prefix}{k}.")
-        elif k == "sources":
-            if not isinstance(v, list):
-                raise OlmoflowError("config key 'sources' expects a list of {name, paths}")
-            kwargs[k] = [_build(SourceConfig, s, f"sources[{i}].") for i, s in enumerate(v)]
-        else:
-            kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
-    return cls(**kwargs)
-
-
-def validate(cfg: DataConfig) -> DataConfig:
-    """Check choices and names; return ``cfg``.
-
-    Raises:
-        OlmoflowError: unknown executor or step, a source without name or paths, or two sources
-            with the same name.
-    """
-    if cfg.executor not in EXECUTORS:
-        raise unknown_name_error("executor", cfg.executor, EXECUTORS)
-    for s in cfg.steps:
-        if s not in STEPS:
-            raise unknown_name_error("step", s, STEPS)
-    seen = set()
-    for i, s in enumerate(cfg.sources):
-        if not s.name or not s.paths:
-            raise OlmoflowError(f"sources[{i}] needs a 'name' and a list of 'paths'")
-        if s.name in seen:
-            raise OlmoflowError(f"two sources are named '{s.name}'")
-        if "/" in s.name or s.name.startswith("."):
-            raise OlmoflowError(f"source name '{s.name}' must be a plain directory name")
-        seen.add(s.name)
-    for n in (cfg.workers, cfg.tokenize.workers):
-        if n is not None and n < 1:
-            raise OlmoflowError(f"workers must be a positive integer, got {n}")
-    return cfg
-
-
-def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None,
-                     values: dict[str, Any] | None = None) -> DataConfig:
-    """Load a data engine YAML config, apply dotted ``key=value`` overrides, validate it.
-
-    Raises:
-        OlmoflowError: a missing file, invalid YAML (file and line), an unknown key (with the
-            closest valid key) or a bad value.
-    """
-    from olmoflow.config import CONFIG_DIR
-
-    p = Path(path)
-    if not p.is_file():
-        presets = {q.stem: q for q in sorted((CONFIG_DIR / "data").glob("*.yaml"))}
-        if str(path) not in presets:
-            hint = closest(p.stem, presets)
-            raise OlmoflowError(f"data config '{path}' not found (no such file, and not a preset "
-                                "under configs/data/" + (f"; did you mean '{hint}'?)" if hint
-                                                          else ")"))
-        p = presets[str(path)]
-    tree = read_yaml_mapping(p)
-    for ov in overrides or []:
-        _set_dotted(tree, *parse_override(ov))
-    for k, v in (values or {}).items():
-        _set_dotted(tree, k, v)
-    return validate(_build(DataConfig, tree))
-
-
-# ---- the step runner --------------------------------------------------------------------------------
+# ---- the step runner -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -263,10 +122,19 @@ class Engine:
         return [{"source": s["source"], "path": str(self.step_dir(step) / s["path"])}
                 for s in m.get("shards", [])]
 
+    def clear_markers(self, step: str) -> None:
+        """Forget what ``step`` has done, for ``--force``: its shards' done-markers and its
+        intermediate files (``WORK_DIRS``: hashes, the eval index, the mixer's own markers), so
+        every shard job runs again. Its side directories (the quality model, the tokenizer) are
+        retrained by the step itself when forced."""
+        import shutil
+
+        shutil.rmtree(self.done_dir(step), ignore_errors=True)
+        if step in WORK_DIRS:
+            shutil.rmtree(self.root / WORK_DIRS[step], ignore_errors=True)
+
     def fingerprint(self, step: str) -> str:
         """sha256 of the step's config and the fingerprints of the steps before it."""
-        from olmoflow.data import steps as _steps
-
         upstream = [(s, (read_manifest(self.step_dir(s)) or {}).get("fingerprint"))
                     for s in _steps.UPSTREAM[step]]
         return sha256_json({"step": step, "config": _steps.step_config(self, step),
@@ -276,21 +144,17 @@ class Engine:
 
     def run_step(self, step: str) -> StepOutcome:
         """Run one step (or skip it when its manifest is complete and current)."""
-        from olmoflow.data import steps as _steps
-
         out = self.step_dir(step)
         fp = self.fingerprint(step)
         t0 = time.perf_counter()
         if not self.force and is_complete(out, fp):
             return StepOutcome(step, True, 0.0, read_manifest(out)["counts"])
         started = now()
-        remove_temporaries(out, self.done_dir(step), self.root / "work" / step,
+        work = [self.root / WORK_DIRS[step]] if step in WORK_DIRS else []
+        remove_temporaries(out, self.done_dir(step), *work,
                            *[self.root / d for d in SIDE_DIRS.get(step, ())])
-        if self.force:  # the mixer keeps its own done-markers under DIR/work/mix
-            import shutil
-
-            shutil.rmtree(self.done_dir(step), ignore_errors=True)
-            shutil.rmtree(self.root / "work" / step / "done", ignore_errors=True)
+        if self.force:
+            self.clear_markers(step)
         result, extra = _steps.RUNNERS[step](self)
         remove_stale(out, result.outputs)
         write_manifest(out, stage=f"data {step}", command=f"olmoflow data {step}",
@@ -307,8 +171,6 @@ class Engine:
             if s not in STEPS:
                 raise unknown_name_error("step", s, STEPS)
         from olmoflow.artifacts import atomic_write_text
-        from olmoflow.data import steps as _steps
-
         # Every section of the steps to run is checked before the first step starts: a typo in
         # the mixer must not surface only after hours of tagging.
         _steps.preflight(self, [s for s in STEPS if s in wanted])
@@ -370,78 +232,6 @@ def remove_temporaries(*dirs: Path) -> int:
     return n
 
 
-def step_stats(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest counts of a step: totals (:func:`sum_stats`), ``sources`` (the same per
-    ``task["source"]``), ``shards``, and ``errors`` as a count (examples go in the manifest's
-    ``errors`` field)."""
-    total = sum_stats(results)
-    by_source: dict[str, list[dict[str, Any]]] = {}
-    for t, r in zip(tasks, results):
-        by_source.setdefault(t.get("source", ""), []).append(r)
-    total["sources"] = {}
-    for s, rs in sorted(by_source.items()):
-        st = sum_stats(rs)
-        st["errors"] = error_count(rs)
-        total["sources"][s] = st
-    total["shards"] = len(results)
-    total["errors"] = error_count(results)
-    return total
-
-
-def error_count(results: list[dict[str, Any]]) -> int:
-    """Bad input lines the shards saw. A shard that reports ``error_counts`` (by kind) lists only
-    the first few examples in ``errors``, so its count comes from there, not from the list."""
-    n = 0
-    for r in results:
-        counts = r.get("error_counts")
-        n += sum(counts.values()) if isinstance(counts, dict) else len(r.get("errors") or [])
-    return n
-
-
-def error_examples(results: list[dict[str, Any]]) -> list[Any]:
-    """The first few errors the shards reported (``file:line: reason``), for the manifest."""
-    out: list[Any] = []
-    for r in results:
-        out.extend(r.get("errors") or [])
-        if len(out) >= MAX_ERROR_EXAMPLES:
-            break
-    return out[:MAX_ERROR_EXAMPLES]
-
-
-def relative_shards(base: Path, tasks: list[dict[str, Any]], key: str = "output"
-                    ) -> list[dict[str, str]]:
-    """``[{"source", "path"}]`` of task outputs, relative to ``base`` (the step's directory)."""
-    return [{"source": t["source"], "path": Path(t[key]).relative_to(base).as_posix()}
-            for t in tasks]
-
-
-def expand_paths(entries: list[str]) -> list[str]:
-    """Files named by ``entries`` (files, directories, globs; ``stdlib`` and ``hf://`` kept as
-    they are), sorted within each entry, as absolute paths.
-
-    Raises:
-        OlmoflowError: an entry that matches nothing.
-    """
-    out: list[str] = []
-    for e in entries:
-        if e == "stdlib" or e.startswith("hf://"):
-            out.append(e)
-            continue
-        p = Path(e).expanduser()
-        if p.is_dir():
-            found = sorted(str(f.resolve()) for f in p.rglob("*")
-                           if f.is_file() and not f.name.startswith("."))
-        elif p.is_file():
-            found = [str(p.resolve())]
-        else:
-            found = sorted(str(Path(f).resolve()) for f in glob.glob(e, recursive=True)
-                           if Path(f).is_file())
-        if not found:
-            raise OlmoflowError(f"source path '{e}' matches no file")
-        out.extend(found)
-    return out
-
-
 def summary_line(o: StepOutcome) -> str:
     """``tag        done  12.3s  in 1,234 docs 5.6 MB  out ...`` — one line per step."""
     c = o.counts
@@ -467,5 +257,6 @@ def summary_line(o: StepOutcome) -> str:
     return "  ".join(parts)
 
 
-__all__ = ["DataConfig", "Engine", "STEPS", "SourceConfig", "StepOutcome", "load_data_config",
-           "step_stats", "summary_line"]
+__all__ = ["STEPS", "STEP_DIRS", "DataConfig", "Engine", "QualityConfig", "SourceConfig",
+           "StepOutcome", "TokenizeStepConfig", "error_count", "error_examples", "expand_paths",
+           "load_data_config", "relative_shards", "step_stats", "summary_line", "validate"]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from olmoflow.artifacts import atomic_write_json, sha256_json
+from olmoflow.artifacts import atomic_write_json, sha256_file, sha256_json
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,10 @@ def _outputs(task: dict[str, Any], result: dict[str, Any]) -> list[str]:
 
 
 def _input_stamps(task: dict[str, Any]) -> list[list[Any]]:
-    """``[path, size, mtime_ns]`` of the existing files a task reads (its :data:`INPUT_KEYS`
-    values: a path, or a list / dict of paths), so a rewritten input makes a task stale."""
+    """``[path, size, sha256]`` of the existing files a task reads (its :data:`INPUT_KEYS`
+    values: a path, or a list / dict of paths), so a rewritten input makes a task stale, even one
+    rewritten with the same size and modification time (content hashes: one rerun policy for
+    both flows)."""
     out = []
     for key in INPUT_KEYS:
         v = task.get(key)
@@ -74,8 +76,7 @@ def _input_stamps(task: dict[str, Any]) -> list[list[Any]]:
             list(v) if isinstance(v, list) else []
         for p in paths:
             if isinstance(p, str) and os.path.isfile(p):
-                st = os.stat(p)
-                out.append([p, st.st_size, st.st_mtime_ns])
+                out.append([p, os.stat(p).st_size, sha256_file(p)])
     return out
 
 

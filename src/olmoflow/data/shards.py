@@ -71,10 +71,12 @@ def attribute_path(data_dir: str | os.PathLike, attribute_set: str, shard: str) 
     return Path(data_dir) / ATTRIBUTES_DIR / attribute_set / f"{shard_stem(shard)}.jsonl.gz"
 
 
-def input_signature(path: str | os.PathLike) -> list[int]:
-    """``[size, mtime_ns]`` of a file: put in a task so a rewritten input makes a fresh task."""
-    st = Path(path).stat()
-    return [st.st_size, st.st_mtime_ns]
+def input_signature(path: str | os.PathLike) -> list[int | str]:
+    """``[size, sha256]`` of a file: put in a task so a rewritten input makes a fresh task (its
+    content, not its modification time: one rerun policy for both flows)."""
+    from olmoflow.artifacts import sha256_file
+
+    return [Path(path).stat().st_size, sha256_file(path)]
 
 
 def text_bytes(text: str) -> int:
@@ -174,7 +176,8 @@ def local_runner(data_dir: str | os.PathLike, executor: str = "local", workers: 
     return run_jobs
 
 
-def flag_totals(attributes: Iterable[str], results: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+def flag_totals(attributes: Iterable[str],
+                results: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Documents and text bytes flagged per attribute, summed over the shard results' ``flagged``
     (dedup and decontamination report these in their manifests)."""
     totals = {a: {"documents": 0, "bytes": 0} for a in attributes}
@@ -185,7 +188,8 @@ def flag_totals(attributes: Iterable[str], results: Iterable[dict[str, Any]]) ->
     return totals
 
 
-def run_global_step(data_dir: str | os.PathLike, attribute_set: str, run: Callable[..., dict[str, Any]],
+def run_global_step(data_dir: str | os.PathLike, attribute_set: str,
+                    run: Callable[..., dict[str, Any]],
                     cfg: Any, *, executor: str, workers: int | None, strict: bool,
                     progress: bool) -> dict[str, Any]:
     """A global attribute step (dedup, decontamination) over a Dolma layout outside the engine:
@@ -199,6 +203,7 @@ def run_global_step(data_dir: str | os.PathLike, attribute_set: str, run: Callab
     tasks = [{"input": str(data_dir / DOCUMENTS_DIR / s),
               "output": str(attribute_path(data_dir, attribute_set, s))}
              for s in document_shards(data_dir)]
-    res = run(cfg, tasks, data_dir, local_runner(data_dir, executor, workers, progress), strict=strict)
+    res = run(cfg, tasks, data_dir, local_runner(data_dir, executor, workers, progress),
+              strict=strict)
     return {**res["counts"], "errors": [e for r in res["results"] for e in r["errors"]],
             "outputs": [o for r in res["results"] for o in r["outputs"]]}

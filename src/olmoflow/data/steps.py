@@ -10,13 +10,15 @@ The shard jobs themselves live with their modules: ``ingest_shard`` (sources), `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from olmoflow.artifacts import StageResult, read_manifest
-from olmoflow.data.engine import (
-    STEP_DIRS, Engine, error_examples, expand_paths, relative_shards, step_stats,
-)
+from olmoflow.data.config import STEP_DIRS
+from olmoflow.data.step_helpers import error_examples, expand_paths, relative_shards, step_stats
 from olmoflow.errors import OlmoflowError, unknown_name_error
+
+if TYPE_CHECKING:  # the engine runs these steps; they only use the object it hands them
+    from olmoflow.data.engine import Engine
 
 #: The steps whose outputs (and so fingerprints) a step depends on.
 UPSTREAM = {
@@ -47,7 +49,7 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
     if step == "dedup":
         return {**common, "dedup": cfg.dedup}
     if step == "decontaminate":
-        return {**common, "decontamination": cfg.decontamination}
+        return {**common, "decontaminate": cfg.decontaminate}
     if step == "mix":
         return {**common, "mixer": cfg.mixer}
     if step == "tokenize":
@@ -61,7 +63,7 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
 
 def preflight(engine: Engine, steps: list[str]) -> None:
     """Check the config sections of ``steps`` before any step runs: tagger names (plugins
-    imported), the ``dedup``, ``decontamination`` and ``mixer`` sections, mixer weights
+    imported), the ``dedup``, ``decontaminate`` and ``mixer`` sections, mixer weights
     naming configured sources. Attribute names in mixer rules are checked by the mixer itself,
     once the attribute files exist.
 
@@ -92,7 +94,7 @@ def preflight(engine: Engine, steps: list[str]) -> None:
     if "decontaminate" in steps:
         from olmoflow.data.decontam import DecontamConfig
 
-        DecontamConfig.from_dict(cfg.decontamination, where="decontamination")
+        DecontamConfig.from_dict(cfg.decontaminate, where="decontaminate")
     if "mix" in steps:
         from olmoflow.data.mixer import MixConfig
 
@@ -130,8 +132,14 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 
 def _stamps(entries: list[str]) -> list[Any]:
-    """(path, size, mtime) of the files named, so an edited input invalidates the step."""
-    out = []
+    """``[path, sha256]`` of the files named (files, directories, globs; ``stdlib`` with the
+    Python version, ``hf://`` as given), so an edited input invalidates the step even when its
+    size and modification time stay the same: the main flow's rerun policy, content hashes."""
+    import sys
+
+    from olmoflow.artifacts import sha256_file
+
+    out: list[Any] = []
     for e in entries:
         try:
             files = expand_paths([e])
@@ -139,8 +147,12 @@ def _stamps(entries: list[str]) -> list[Any]:
             out.append([e, None])
             continue
         for f in files:
-            p = Path(f)
-            out.append([f, p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [f])
+            if f == "stdlib":
+                out.append([f, sys.version])
+            elif Path(f).is_file():
+                out.append([f, sha256_file(f)])
+            else:
+                out.append([f])
     return out
 
 
@@ -167,7 +179,7 @@ def _rel(engine: Engine, step: str, shard: dict[str, str]) -> str:
     return Path(shard["path"]).relative_to(engine.step_dir(step)).as_posix()
 
 
-# ---- ingest ----------------------------------------------------------------------------------------
+# ---- ingest --------------------------------------------------------------------------------------
 
 
 def run_ingest(engine: Engine):
@@ -196,7 +208,8 @@ def run_ingest(engine: Engine):
 
 def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> str:
     """Why ingest kept nothing: the bad input by kind and the first example, so that a wrong
-    ``text_field`` or a folder of empty files is named now rather than as a puzzle in a later step."""
+    ``text_field`` or a folder of empty files is named now rather than as a puzzle in a later
+    step."""
     kinds: dict[str, int] = {}
     for r in results:
         for k, n in (r.get("error_counts") or {}).items():
@@ -208,12 +221,13 @@ def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) ->
             + "; check the source paths and options such as text_field")
 
 
-# ---- tag ---------------------------------------------------------------------------------------------
+# ---- tag -----------------------------------------------------------------------------------------
 
 
 def quality_model(engine: Engine) -> str | None:
     """The quality classifier the ``quality`` tagger uses: ``quality.model``, or one trained from
-    ``quality.labeled`` into ``DIR/quality`` (trained once; reused while the labels are unchanged)."""
+    ``quality.labeled`` into ``DIR/quality`` (trained once; reused while the labels are
+    unchanged)."""
     q = engine.cfg.quality
     if q.model:
         return str(Path(q.model).resolve())
@@ -291,8 +305,13 @@ def run_tag(engine: Engine):
                       "taggers": taggers, "strict": cfg.strict, "plugins": plugins,
                       "depends": deps})
     results = engine.run_jobs("tag", tag_with_plugins, tasks)
+    from olmoflow.artifacts import data_files
+
+    # The quality model (and plugin code) shape the attributes: inputs too, for the lineage.
+    extra = data_files(model) if model else []
+    extra += [Path(p) for p in plugins if p.endswith(".py")]
     return _finish(engine, "tag", tasks, results, relative_shards(out, tasks),
-                   [Path(t["documents"]) for t in tasks])
+                   [Path(t["documents"]) for t in tasks] + extra)
 
 
 def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:
@@ -311,19 +330,27 @@ def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:
     return out
 
 
-# ---- dedup and decontamination (map, reduce in the driver, map) ---------------------------------------
+# ---- dedup and decontamination (map, reduce in the driver, map) ----------------------------------
 
 
-def _run_global(engine: Engine, step: str, run, cfg):
+def _run_global(engine: Engine, step: str, run, cfg, extra_inputs: list[Path] | None = None):
     """A global step over every ingested shard: ``run(cfg, tasks, root, run_jobs, strict=)`` is
     :func:`olmoflow.data.dedup.run_dedup` or :func:`olmoflow.data.decontam.run_decontam` (their
-    map phase, the reduce in this driver, and the attribute-writing phase)."""
+    map phase, the reduce in this driver, and the attribute-writing phase). ``extra_inputs``: the
+    files it reads besides the documents (the eval sets), listed in its manifest."""
     out = engine.step_dir(step)
     tasks = [{"input": s["path"], "source": s["source"],
               "output": str(out / _rel(engine, "ingest", s))} for s in _doc_shards(engine)]
-    res = run(cfg, tasks, engine.root, engine.run_jobs, strict=engine.cfg.strict)
+
+    # The modules name their jobs after their attribute set ("decontam"); the markers belong to
+    # the engine's step, where --force clears them.
+    def run_jobs(_set: str, fn, jobs, **kw):
+        return engine.run_jobs(step, fn, jobs, **kw)
+
+    res = run(cfg, tasks, engine.root, run_jobs, strict=engine.cfg.strict)
     return _finish(engine, step, tasks, res["results"], relative_shards(out, tasks),
-                   [Path(t["input"]) for t in tasks], res.get("counts"))
+                   [Path(t["input"]) for t in tasks] + list(extra_inputs or []),
+                   res.get("counts"))
 
 
 def run_dedup(engine: Engine):
@@ -335,10 +362,12 @@ def run_dedup(engine: Engine):
 def run_decontaminate(engine: Engine):
     from olmoflow.data import decontam
 
-    return _run_global(engine, "decontaminate", decontam.run_decontam, engine.cfg.decontamination)
+    cfg = decontam.DecontamConfig.from_dict(engine.cfg.decontaminate, where="decontaminate")
+    evals = [Path(f) for f in cfg.eval_files() if Path(f).is_file()]
+    return _run_global(engine, "decontaminate", decontam.run_decontam, cfg, evals)
 
 
-# ---- mix ---------------------------------------------------------------------------------------------
+# ---- mix -----------------------------------------------------------------------------------------
 
 
 def attribute_sets(engine: Engine) -> list[str]:
@@ -350,9 +379,20 @@ def attribute_sets(engine: Engine) -> list[str]:
     return sets
 
 
+def attribute_files(engine: Engine, options: dict[str, Any]) -> list[Path]:
+    """The attribute files the mixer read (those of the sets in ``options["attributes"]``), so
+    the mix manifest, and the lineage through it, reach the tag, dedup and decontaminate steps."""
+    wanted = set(options.get("attributes") or [])
+    files = []
+    for step in ("tag", "dedup", "decontaminate"):
+        if Path(STEP_DIRS[step]).name in wanted and read_manifest(engine.step_dir(step)):
+            files += [Path(s["path"]) for s in engine.shards(step) if Path(s["path"]).is_file()]
+    return files
+
+
 def mixer_options(engine: Engine) -> dict[str, Any]:
-    """The mixer config with what dedup and decontamination ask for merged in: their attribute
-    sets, their ``exclude`` rules (dedup: every flagged copy; decontamination with ``action:
+    """The mixer config with what dedup and decontaminate ask for merged in: their attribute
+    sets, their ``exclude`` rules (dedup: every flagged copy; decontaminate with ``action:
     drop``: contaminated documents) and ``remove_spans`` (duplicate paragraphs). ``attributes``
     defaults to every attribute set the finished steps wrote."""
     from olmoflow.data import decontam, dedup
@@ -364,7 +404,7 @@ def mixer_options(engine: Engine) -> dict[str, Any]:
     if "dedup" in sets:
         extra.append(dedup.mixer_rules(engine.cfg.dedup))
     if "decontam" in sets:
-        extra.append(decontam.mixer_rules(engine.cfg.decontamination))
+        extra.append(decontam.mixer_rules(engine.cfg.decontaminate))
     for rules in extra:
         for key in ("attributes", "exclude", "remove_spans"):
             have = list(options.get(key) or [])
@@ -390,17 +430,19 @@ def run_mix(engine: Engine):
     counts["errors"] = len(errors)
     for sc in counts["sources"].values():
         sc["errors"] = len(sc.get("errors") or [])
-    inputs = [Path(s["path"]) for s in _doc_shards(engine)]
+    inputs = [Path(s["path"]) for s in _doc_shards(engine)] + attribute_files(engine, options)
     return (StageResult(inputs=inputs, outputs=parts, counts=counts),
             {"shards": shards, "errors": errors[:20]})
 
 
-# ---- tokenize ----------------------------------------------------------------------------------------
+# ---- tokenize ------------------------------------------------------------------------------------
 
 
 def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
-    """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else a BPE
-    trained on the mixed documents into ``DIR/tokenizer`` (trained again when they change)."""
+    """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else one of
+    ``tokenize.implementation`` trained on the mixed documents into ``DIR/tokenizer`` by the main
+    flow's trainer (:func:`olmoflow.tokenizer.train.train_tokenizer`; trained again when they
+    change)."""
     from olmoflow.artifacts import data_files, is_complete, now, sha256_json, write_manifest
 
     t = engine.cfg.tokenize
@@ -409,55 +451,83 @@ def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
         if not (d / "tokenizer.json").is_file() and t.implementation == "bpe":
             raise OlmoflowError(f"tokenize.tokenizer: no tokenizer.json in {d}")
         return str(d), data_files(d)
-    from olmoflow.data.documents import read_documents
-    from olmoflow.tokenizer import BPETokenizer
+    from olmoflow.tokenizer.config import TokenizerConfig
+    from olmoflow.tokenizer.train import train_tokenizer
 
     out = engine.root / "tokenizer"
     mixed = [Path(s["path"]) for s in engine.shards("mix")]
+    settings = {"implementation": t.implementation, "vocab_size": t.vocab_size,
+                "min_frequency": t.min_frequency}
     fp = sha256_json({"mixed": (read_manifest(engine.step_dir("mix")) or {}).get("fingerprint"),
-                      "vocab_size": t.vocab_size, "min_frequency": t.min_frequency})
+                      **settings})
     if engine.force or not is_complete(out, fp):
         started = now()
-        texts = (d["text"] for p in mixed for d in read_documents(p))
-        tok = BPETokenizer().train_from_texts(texts, vocab_size=t.vocab_size,
-                                               min_frequency=t.min_frequency)
-        files = tok.save(out)
+        res = train_tokenizer(TokenizerConfig(**settings), mixed, out, progress=engine.progress)
         write_manifest(out, stage="data train-tokenizer", command="olmoflow data tokenize",
-                       config={"vocab_size": t.vocab_size, "min_frequency": t.min_frequency},
-                       fingerprint=fp, inputs=mixed, outputs=files,
-                       counts={"vocab_size": tok.vocab_size}, started=started)
+                       config=settings, fingerprint=fp, inputs=res.inputs, outputs=res.outputs,
+                       counts=res.counts, started=started)
     return str(out), data_files(out)
 
 
+def choose_heldout_parts(engine: Engine, mixed: list[dict[str, str]]) -> list[list[int]]:
+    """Per mixed shard, the positions of its held-out documents: the main flow's rule
+    (:func:`olmoflow.data.tokenize.choose_heldout` on ``heldout_score(seed, id)``) over the whole
+    corpus, so the split depends neither on sharding nor on the number of workers."""
+    from olmoflow.data.documents import read_documents
+    from olmoflow.data.tokenize import choose_heldout, heldout_score
+
+    t = engine.cfg.tokenize
+    scores, where = [], []
+    for i, s in enumerate(mixed):
+        for j, d in enumerate(read_documents(s["path"])):
+            scores.append((heldout_score(t.seed, str(d["id"])), len(where)))
+            where.append((i, j))
+    parts: list[list[int]] = [[] for _ in mixed]
+    for g in sorted(choose_heldout(scores, t.heldout_fraction, t.heldout_max_documents)):
+        i, j = where[g]
+        parts[i].append(j)
+    return parts
+
+
 def run_tokenize(engine: Engine):
-    from olmoflow.data.tokenize_shards import (
-        check_tokens, index_path, load_tokenizer, resolve_dtype, tokenize_shard, write_meta,
-    )
+    from olmoflow.data.tokenize import SPLITS, check_heldout_config, check_token_dir, write_meta
+    from olmoflow.data.tokenize_shards import load_tokenizer, resolve_dtype, tokenize_shard
 
     t, out = engine.cfg.tokenize, engine.step_dir("tokenize")
-    if not engine.shards("mix"):
+    mixed = engine.shards("mix")
+    if not mixed:
         raise OlmoflowError(f"nothing to tokenize: the mixer kept no document (see 'olmoflow "
                             f"data report {engine.root}' for the rules that removed them)")
+    check_heldout_config(t.heldout_fraction, t.heldout_max_documents)
     tok_dir, tok_files = tokenizer_dir(engine)
     tok = load_tokenizer(tok_dir, t.implementation)
     dtype = resolve_dtype(t.dtype, tok.vocab_size)
-    mixed = engine.shards("mix")
+    heldout = choose_heldout_parts(engine, mixed)
+    deps = content_hash(tok_files)
     tasks = []
-    for s in mixed:
+    for s, held in zip(mixed, heldout):
         rel = _rel(engine, "mix", s).removesuffix(DOC_SUFFIX)
-        tasks.append({"input": s["path"], "source": s["source"], "output": str(out / f"{rel}.npy"),
-                      "tokenizer": tok_dir, "implementation": t.implementation, "dtype": t.dtype,
-                      "depends": content_hash(tok_files)})
+        tasks.append({"input": s["path"], "source": s["source"],
+                      "parts": {sp: str(out / sp / f"{rel}.npy") for sp in SPLITS},
+                      "heldout": held, "tokenizer": tok_dir, "implementation": t.implementation,
+                      "dtype": t.dtype, "depends": deps})
     results = engine.run_jobs("tokenize", tokenize_shard, tasks, workers=t.workers)
-    parts = [Path(x["output"]) for x in tasks]
-    write_meta(out, tok, dtype, parts, results)
-    mixed_docs = (read_manifest(engine.step_dir("mix")) or {}).get("counts", {}).get("documents_out")
-    checked = check_tokens(out, expected_documents=mixed_docs)
-    res, extra = _finish(engine, "tokenize", tasks, results, relative_shards(out, tasks),
+    parts = [{sp: Path(x["parts"][sp]) for sp in SPLITS} for x in tasks]
+    meta = write_meta(out, tok, dtype, parts, [r["splits"] for r in results],
+                      tokenizer_dir=tok_dir, implementation=t.implementation,
+                      heldout={"seed": t.seed, "fraction": t.heldout_fraction,
+                               "max_documents": t.heldout_max_documents})
+    mix_counts = (read_manifest(engine.step_dir("mix")) or {}).get("counts", {})
+    checked = check_token_dir(out, expected_documents=mix_counts.get("documents_out"))
+    split_counts = {f"{sp}_{k}": meta["splits"][sp][k] for sp in SPLITS
+                    for k in ("tokens", "documents")}
+    shards = [{"source": x["source"], "path": Path(x["parts"]["train"]).relative_to(out).as_posix()}
+              for x in tasks]
+    res, extra = _finish(engine, "tokenize", tasks, results, shards,
                          [Path(x["input"]) for x in tasks] + tok_files,
                          {"tokens": checked["tokens"], "dtype": dtype.name,
-                          "vocab_size": tok.vocab_size, "tokenizer": tok_dir})
-    res.outputs += [index_path(p) for p in parts] + [out / "meta.json"]
+                          "vocab_size": tok.vocab_size, "tokenizer": tok_dir, **split_counts})
+    res.outputs = [Path(o) for r in results for o in r["outputs"]] + [out / "meta.json"]
     return res, extra
 
 

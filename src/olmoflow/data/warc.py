@@ -15,9 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from olmoflow.data.readers import (
-    Input, ReadLog, ReadOptions, _damage_errors, _damage_kind, _first_line, _need, _Read1,
-    _rel_path, _too_large, open_binary,
+from olmoflow.data.read_base import (
+    Input,
+    ReadLog,
+    ReadOptions,
+    _damage_errors,
+    _damage_kind,
+    _first_line,
+    _need,
+    _Read1,
+    _rel_path,
+    _too_large,
+    open_binary,
 )
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -81,14 +90,16 @@ def read_warc(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, 
                     yield doc
     except (*_damage_errors(), OSError) as e:  # FastWARC: OSError("Invalid WARC header")
         rl.bad("damaged_file", f"{path}:{at}",
-               f"damaged WARC/{_damage_kind(path)} data ({_first_line(e)}); kept the records before it",
+               f"damaged WARC/{_damage_kind(path)} data ({_first_line(e)}); kept the records "
+               "before it",
                documents=0)
         return
     if n == 0:
         rl.bad("empty_file", path, "empty file (no WARC records)", documents=0)
 
 
-def _warc_document(rec, n: int, inp: Input, opts: ReadOptions, rl: ReadLog) -> dict[str, Any] | None:
+def _warc_document(rec, n: int, inp: Input, opts: ReadOptions,
+                   rl: ReadLog) -> dict[str, Any] | None:
     """The document of WARC response record number ``n``, or None when it is skipped."""
     where = f"{inp.path}:{n}"
     expected = rec.content_length

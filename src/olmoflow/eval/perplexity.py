@@ -61,4 +61,5 @@ def evaluate_tokens(
         n_bytes += int(nbytes.sum())
     loss = nll_sum / n_tok
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-            "bpb": nll_bytes_sum / (math.log(2) * max(n_bytes, 1)), "tokens": n_tok, "bytes": n_bytes}
+            "bpb": nll_bytes_sum / (math.log(2) * max(n_bytes, 1)), "tokens": n_tok,
+            "bytes": n_bytes}

@@ -1,5 +1,7 @@
 """Text generation with a KV cache: greedy decoding and sampling (temperature, top-k, top-p),
-a CTRL repetition penalty, EOS and stop strings, and a per-token hook for streaming.
+a CTRL repetition penalty, EOS and stop strings, and a per-token hook for streaming. What to sample
+is one :class:`~olmoflow.infer.sampling.SamplingParams` (or the ``transformers``-style keywords
+that describe one).
 
 Top-p follows Holtzman et al. 2020 ("nucleus sampling"): keep the smallest set of most likely
 tokens whose probability mass reaches ``top_p``; the token that crosses the threshold is kept.
@@ -20,8 +22,12 @@ from typing import Any
 
 import torch
 
+from olmoflow.infer.sampling import SamplingParams
 
-def top_k_top_p_filter(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+
+def top_k_top_p_filter(
+    logits: torch.Tensor, top_k: int | None, top_p: float | None,
+) -> torch.Tensor:
     """Set filtered-out logits to -inf. ``logits [B, V]`` -> ``[B, V]``."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -36,7 +42,9 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int | None, top_p: float | N
     return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float,
+) -> torch.Tensor:
     """CTRL repetition penalty. ``logits [B, V]``, ``seen [B, V]`` bool (token already in the
     prompt or the continuation) -> ``[B, V]``: seen logits > 0 are divided by ``penalty``, < 0
     multiplied by it (so ``penalty > 1`` always makes a seen token less likely)."""
@@ -56,33 +64,69 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _new_tokens(T: int, max_length: int | None, max_new_tokens: int | None) -> int:
-    if max_new_tokens is None:
-        if max_length is None:
-            return 20
+def _new_tokens(T: int, max_length: int | None, max_new_tokens: int | None) -> int | None:
+    """``max_new_tokens`` from HF-style length arguments (None when neither is given)."""
+    if max_new_tokens is None and max_length is not None:
         if max_length < T:
             raise ValueError(
                 f"max_length={max_length} is shorter than the prompt ({T} tokens); "
                 "max_length counts the prompt, use max_new_tokens to count new tokens only"
             )
         return max_length - T
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return max_new_tokens
+
+
+def resolve_sampling(
+    T: int,
+    sampling: SamplingParams | None = None,
+    *,
+    max_length: int | None = None,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    stop_strings: Sequence[str] | None = None,
+) -> SamplingParams:
+    """The :class:`SamplingParams` of one call to :func:`generate` for a ``T``-token prompt:
+    ``sampling`` itself, or the one the ``transformers``-style keywords describe (None: not given,
+    their defaults apply; see :meth:`SamplingParams.from_hf_kwargs`).
+
+    Raises:
+        ValueError: both ``sampling`` and a sampling keyword; ``max_length`` shorter than the
+            prompt; a :class:`~olmoflow.infer.sampling.SamplingError` for a value out of range.
+    """
+    hf = {"max_length": max_length, "max_new_tokens": max_new_tokens, "do_sample": do_sample,
+          "temperature": temperature, "top_k": top_k, "top_p": top_p,
+          "repetition_penalty": repetition_penalty, "seed": seed, "stop_strings": stop_strings}
+    given = {k: v for k, v in hf.items() if v is not None}
+    if sampling is not None:
+        if given:
+            raise ValueError(f"pass either sampling= or the keywords {', '.join(given)}, not both "
+                             "(dataclasses.replace(sampling, ...) changes a field)")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling= must be a SamplingParams, got {type(sampling).__name__}")
+        return sampling
+    n_new = _new_tokens(T, given.pop("max_length", None), given.pop("max_new_tokens", None))
+    return SamplingParams.from_hf_kwargs(**({} if n_new is None else {"max_new_tokens": n_new}),
+                                         **given)
 
 
 def iter_tokens(
     model,
     input_ids: torch.Tensor,
     *,
+    sampling: SamplingParams | None = None,
     max_length: int | None = None,
     max_new_tokens: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: float | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     stop_strings: Sequence[str] | None = None,
@@ -97,15 +141,24 @@ def iter_tokens(
     the first ``next``). The model is put in eval mode while iterating and restored afterwards.
     """
     B, T = input_ids.shape
-    n_new = _new_tokens(T, max_length, max_new_tokens)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    sp = resolve_sampling(
+        T, sampling, max_length=max_length, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop_strings=stop_strings,
+    )
+    return _iter_tokens(model, input_ids, sp, attention_mask, eos_token_id, pad_token_id,
+                        tokenizer, vocab_size, compile)
+
+
+def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token_id,
+                 pad_token_id, tokenizer, vocab_size, compile) -> Iterator[torch.Tensor]:
+    B, T = input_ids.shape
     if tokenizer is not None:  # a tokenizer knows its EOS and pad ids
-        eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-        pad_token_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
-    stops = [s for s in (stop_strings or []) if s]
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    stops = list(sp.stop)
     if stops and tokenizer is None:
         raise ValueError("stop_strings need tokenizer= to decode the continuation")
     fill = pad_token_id if pad_token_id is not None else eos_token_id
@@ -117,9 +170,9 @@ def iter_tokens(
                          f"{tuple(input_ids.shape)}")
     if vocab_size is None and tokenizer is not None and hasattr(tokenizer, "vocab_size"):
         vocab_size = tokenizer.vocab_size
-    return _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
-                   repetition_penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size,
-                   _compiled_decoder(model, compile))
+    return _decode(model, input_ids, sp.max_new_tokens, attention_mask, sp.do_sample,
+                   sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, eos_token_id, fill,
+                   stops, tokenizer, sp.seed, vocab_size, _compiled_decoder(model, compile))
 
 
 def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
@@ -152,9 +205,11 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
             cache = (model.new_cache(B, T + n_new, static=True) if compiled is not None
                      else model.new_cache(B, T + n_new))
             mask = full_mask[:, :T] if full_mask is not None else None
-            logits = model(input_ids, attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
+            logits = model(input_ids, attention_mask=mask, cache=cache,
+                           last_logits_only=True).logits[:, -1]
             if penalty != 1.0:
-                real = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).int()
+                real = (attention_mask if attention_mask is not None
+                        else torch.ones_like(input_ids)).int()
                 counts = torch.zeros(B, logits.shape[-1], dtype=torch.int32, device=device)
                 seen = counts.scatter_add_(1, input_ids, real) > 0
         else:
@@ -164,7 +219,8 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
             if compiled is not None:  # static cache: same shapes every step, one compiled graph
                 logits = compiled(nxt[:, None], cache=cache, last_logits_only=True).logits[:, -1]
             else:
-                logits = model(nxt[:, None], attention_mask=mask, cache=cache, last_logits_only=True).logits[:, -1]
+                logits = model(nxt[:, None], attention_mask=mask, cache=cache,
+                               last_logits_only=True).logits[:, -1]
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits[:, vocab_size:] = float("-inf")
         if seen is not None:
@@ -226,14 +282,15 @@ def generate(
     model,
     input_ids: torch.Tensor,
     *,
+    sampling: SamplingParams | None = None,
     max_length: int | None = None,
     max_new_tokens: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: float | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     stop_strings: Sequence[str] | None = None,
@@ -245,14 +302,25 @@ def generate(
 ) -> torch.Tensor:
     """Continue ``input_ids [B, T]`` and return ``[B, T + n]`` (prompt included), as in HF.
 
+    How to sample is given either as ``sampling=`` (a :class:`SamplingParams`, shared with the
+    ``generate`` stage, evaluation and serving) or as ``transformers``-style keywords
+    (``max_length``/``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+    ``repetition_penalty``, ``seed``, ``stop_strings``), not both. The two spellings give the same
+    tokens: ``generate(m, ids, sampling=SamplingParams(max_new_tokens=8, temperature=0.7,
+    seed=0))`` equals ``generate(m, ids, max_new_tokens=8, do_sample=True, temperature=0.7,
+    seed=0)``.
+
     Args:
+        sampling: the sampling settings; see :class:`SamplingParams` for each field.
         max_length: total length including the prompt; max_new_tokens: tokens to add (takes
             precedence when both are given). Neither: 20 new tokens.
         attention_mask: ``[B, T]``, 0 on left padding (batched prompts of different lengths).
-        do_sample: sample instead of greedy argmax; temperature/top_k/top_p shape the sampling.
+        do_sample: sample instead of greedy argmax (default False); temperature (default 1.0),
+            top_k, top_p shape the sampling.
         repetition_penalty: CTRL penalty (``transformers``' ``RepetitionPenaltyLogitsProcessor``)
             on every token already in the prompt (padding excluded) or the continuation; applied
-            before temperature/top-k/top-p and to greedy decoding too. 1.0 = off; ~1.2 is common.
+            before temperature/top-k/top-p and to greedy decoding too. 1.0 (default) = off; ~1.2
+            is common.
         eos_token_id: a row stops after emitting it; finished rows are filled with
             ``pad_token_id`` (or EOS) until every row is done.
         stop_strings: a row stops once the text of its continuation (``tokenizer.decode`` of the
@@ -271,20 +339,21 @@ def generate(
         streamer: an object with ``put(tokens [B])`` called with each new step's tokens and
             ``end()`` called once at the end (e.g. :class:`olmoflow.infer.streaming.TextStreamer`).
     Raises:
-        ValueError: ``max_length`` shorter than the prompt, negative ``max_new_tokens``, a
-            temperature < 0, a repetition_penalty <= 0, stop_strings without a tokenizer (or, on a
-            batch, without a pad/EOS id to fill finished rows).
+        ValueError: ``sampling`` together with a sampling keyword, ``max_length`` shorter than the
+            prompt, stop_strings without a tokenizer (or, on a batch, without a pad/EOS id to fill
+            finished rows), and (as :class:`~olmoflow.infer.sampling.SamplingError`) a negative
+            ``max_new_tokens``, a temperature < 0, a repetition_penalty <= 0, a top_k < 0 or a
+            top_p outside (0, 1].
     """
-    steps = iter_tokens(
-        model, input_ids, max_length=max_length, max_new_tokens=max_new_tokens,
-        attention_mask=attention_mask, do_sample=do_sample, temperature=temperature, top_k=top_k,
-        top_p=top_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, stop_strings=stop_strings, tokenizer=tokenizer, seed=seed,
-        vocab_size=vocab_size, compile=compile,
-    )
     B, T = input_ids.shape
-    n_new = _new_tokens(T, max_length, max_new_tokens)
-    out = torch.empty(B, T + n_new, dtype=input_ids.dtype, device=input_ids.device)
+    sp = resolve_sampling(
+        T, sampling, max_length=max_length, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop_strings=stop_strings,
+    )
+    steps = _iter_tokens(model, input_ids, sp, attention_mask, eos_token_id, pad_token_id,
+                         tokenizer, vocab_size, compile)
+    out = torch.empty(B, T + sp.max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :T] = input_ids
     n = 0
     for n, nxt in enumerate(steps, start=1):

@@ -25,9 +25,10 @@ def _linears(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[str, nn.Line
             if isinstance(m, nn.Linear) and name.split(".")[-1] not in skip and name not in skip]
 
 
-def quantize_model(model: nn.Module, method: str = "torchao", *, skip: tuple[str, ...] = ("lm_head",),
-                   threshold: float = 0.0) -> nn.Module:
-    """Replace the model's linears by 8-bit-weight versions, in place; returns the model (eval mode).
+def quantize_model(model: nn.Module, method: str = "torchao", *,
+                   skip: tuple[str, ...] = ("lm_head",), threshold: float = 0.0) -> nn.Module:
+    """Replace the model's linears by 8-bit-weight versions, in place; returns the model (in
+    eval mode).
 
     Args:
         method: ``"bnb"`` (bitsandbytes ``Linear8bitLt``, int8 weights, int8 matmul) or
@@ -108,7 +109,8 @@ def top1_agreement(reference: nn.Module, candidate: nn.Module, tokens: torch.Ten
         tokens = tokens[:max_tokens]
     rows = tokens.numel() // sequence_length
     if rows == 0:
-        raise ValueError(f"need at least sequence_length={sequence_length} tokens, got {tokens.numel()}")
+        raise ValueError(
+            f"need at least sequence_length={sequence_length} tokens, got {tokens.numel()}")
     batch = tokens[: rows * sequence_length].reshape(rows, sequence_length)
     same = total = 0
     for chunk in batch.split(8):

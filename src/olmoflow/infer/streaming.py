@@ -49,7 +49,8 @@ class IncrementalDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids: int | Sequence[int] | torch.Tensor) -> str:
-        """Add ``ids`` (an int, a list, or a tensor with one row) and return the newly complete text."""
+        """Add ``ids`` (an int, a list, or a tensor with one row) and return the newly complete
+        text."""
         if isinstance(ids, torch.Tensor):
             ids = ids.reshape(-1).tolist()
         elif isinstance(ids, int):
@@ -90,7 +91,8 @@ class TextStreamer:
 
     def put(self, tokens: torch.Tensor | int | Sequence[int]) -> None:
         if isinstance(tokens, torch.Tensor) and tokens.numel() != 1:
-            raise ValueError(f"TextStreamer streams one row; got tokens of shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"TextStreamer streams one row; got tokens of shape {tuple(tokens.shape)}")
         self._emit(self.decoder.push(tokens))
 
     def end(self) -> None:
@@ -110,8 +112,9 @@ def stream_generate(
 
     Args:
         prompt: a string (encoded with ``tokenizer.encode``), a list of ids, or ``[T]``/``[1, T]``.
-        generate_kwargs: as for :func:`olmoflow.infer.generate.generate` (max_new_tokens,
-            do_sample, temperature, top_k, top_p, repetition_penalty, seed, stop_strings, ...).
+        generate_kwargs: as for :func:`olmoflow.infer.generate.generate` (``sampling=`` a
+            :class:`~olmoflow.infer.sampling.SamplingParams`, or max_new_tokens, do_sample,
+            temperature, top_k, top_p, repetition_penalty, seed, stop_strings, ...).
             ``eos_token_id`` defaults to the tokenizer's EOS id when it has one; ``tokenizer`` is
             passed through for stop strings.
     Yields:
@@ -136,7 +139,8 @@ def stream_generate(
             pass
     generate_kwargs.setdefault("tokenizer", tokenizer)
     steps = iter_tokens(model, ids, **generate_kwargs)
-    decoder = IncrementalDecoder(tokenizer, ids[0].tolist(), skip_special_tokens=skip_special_tokens)
+    decoder = IncrementalDecoder(tokenizer, ids[0].tolist(),
+                                 skip_special_tokens=skip_special_tokens)
     return _pieces(steps, decoder)
 
 

@@ -80,7 +80,8 @@ class KVCache:
             self._length = value
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor | None = None,
+        self, layer: int, k: torch.Tensor, v: torch.Tensor,
+        cache_position: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v [B, H_kv, T, hd]`` and return the keys/values attention should read.
 
@@ -156,8 +157,9 @@ class AttentionMask:
                  aligned: bool = True):
         if doc_ids is not None and (doc_ids.shape[-1] != q_pos.shape[0] or q_pos.shape[0] != k_len):
             raise ValueError(
-                f"doc_ids {tuple(doc_ids.shape)} needs as many queries as keys (got {q_pos.shape[0]} "
-                f"queries, {k_len} keys): intra-document masking is for full forwards, not decoding"
+                f"doc_ids {tuple(doc_ids.shape)} needs as many queries as keys (got "
+                f"{q_pos.shape[0]} queries, {k_len} keys): intra-document masking is for full "
+                "forwards, not decoding"
             )
         self.q_pos, self.k_len, self.window = q_pos, k_len, window
         self.key_padding, self.doc_ids, self.aligned = key_padding, doc_ids, aligned
@@ -166,7 +168,8 @@ class AttentionMask:
         self._block_masks: dict = {}
 
     @classmethod
-    def causal(cls, q_len: int, k_len: int, device: torch.device, window: int | None = None) -> AttentionMask:
+    def causal(cls, q_len: int, k_len: int, device: torch.device,
+               window: int | None = None) -> AttentionMask:
         """Causal (and windowed) attention of the last ``q_len`` of ``k_len`` positions."""
         return cls(torch.arange(k_len - q_len, k_len, device=device), k_len, window)
 
@@ -194,7 +197,8 @@ class AttentionMask:
         return self._dense
 
     def has_key(self) -> torch.Tensor | None:
-        """``[1 or B, 1, Tq, 1]`` bool, False for queries that see no key; None if there are none."""
+        """``[1 or B, 1, Tq, 1]`` bool, False for queries that see no key; None if there are
+        none."""
         if not self.may_have_empty_rows:
             return None
         if self._has_key is None:
@@ -238,7 +242,8 @@ class AttentionMask:
 
 
 def zero_empty_rows(out: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """Zero the outputs ``[B, H, Tq, hd]`` of queries that see no key (see :meth:`AttentionMask.safe_dense`)."""
+    """Zero the outputs ``[B, H, Tq, hd]`` of queries that see no key (see
+    :meth:`AttentionMask.safe_dense`)."""
     has_key = mask.has_key()
     return out if has_key is None else out.masked_fill(~has_key, 0.0)
 
@@ -247,7 +252,9 @@ def zero_empty_rows(out: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
 # Backends. Each takes q [B, H, Tq, hd], k/v [B, H_kv, Tk, hd] (H a multiple of H_kv), the rule,
 # and a dropout probability, and returns [B, H, Tq, hd] in q's dtype with zeros on empty rows.
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, float], torch.Tensor]
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, float], torch.Tensor
+]
 
 
 def eager_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
@@ -279,7 +286,8 @@ def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torc
     (FlexAttention's documented behaviour; tested). No dropout (checked by :func:`attend`)."""
     from torch.nn.attention.flex_attention import flex_attention as _flex
 
-    return _flex(q, k, v, block_mask=mask.block_mask(q.shape[0]), enable_gqa=q.shape[1] != k.shape[1])
+    return _flex(q, k, v, block_mask=mask.block_mask(q.shape[0]),
+                 enable_gqa=q.shape[1] != k.shape[1])
 
 
 @functools.cache
@@ -329,7 +337,8 @@ def _flex_unavailable(q, k, v, mask: AttentionMask, dropout_p: float) -> str | N
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
     if dropout_p > 0:
         return "flex_attention has no attention dropout"
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    needs_grad = any(t.requires_grad for t in (q, k, v))
+    if q.device.type == "cpu" and torch.is_grad_enabled() and needs_grad:
         return f"FlexAttention has no backward pass on CPU in torch {torch.__version__}"
     return None
 
@@ -362,7 +371,8 @@ FALLBACK_BACKEND = "sdpa"
 _warned: set[tuple[str, str]] = set()
 
 
-def register_backend(name: str, fn: AttentionFn, unavailable: Callable[..., str | None] | None = None) -> None:
+def register_backend(name: str, fn: AttentionFn,
+                     unavailable: Callable[..., str | None] | None = None) -> None:
     """Add (or replace) a backend. ``unavailable(q, k, v, mask, dropout_p)`` returns a reason
     string when the backend cannot run that call (it then falls back to ``sdpa``), else None."""
     ATTENTION_BACKENDS[name] = AttentionBackend(name, fn, unavailable)
@@ -387,7 +397,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     try:
         b = ATTENTION_BACKENDS[backend]
     except KeyError:
-        raise KeyError(f"unknown attention backend '{backend}'; known: {sorted(ATTENTION_BACKENDS)}") from None
+        raise KeyError(f"unknown attention backend '{backend}'; "
+                       f"known: {sorted(ATTENTION_BACKENDS)}") from None
     reason = b.unavailable(q, k, v, mask, dropout_p) if b.unavailable is not None else None
     if reason is not None:
         if (backend, reason) not in _warned:

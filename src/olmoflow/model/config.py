@@ -6,10 +6,11 @@ quantities (``head_dim``, per-layer attention windows) computed, never stored tw
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, closest
 
 # The dolma2 tokenizer's 100,278 tokens padded to a multiple of 128, as in every official OLMo 2/3.
 OLMO_VOCAB_SIZE = 100_352
@@ -77,13 +78,15 @@ class ModelConfig:
             )
         if self.n_heads % self.n_kv_heads:
             raise OlmoflowError(
-                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}"
+                f"model.n_heads={self.n_heads} is not a multiple of "
+                f"model.n_kv_heads={self.n_kv_heads}"
             )
         if self.hd % 2:
             raise OlmoflowError(f"model.head_dim={self.hd} must be even for RoPE")
         if self.attention_backend not in ("sdpa", "eager", "flex", "flash"):
             raise OlmoflowError(
-                f"model.attention_backend='{self.attention_backend}' is not one of: sdpa, eager, flex, flash"
+                f"model.attention_backend='{self.attention_backend}' is not one of: "
+                "sdpa, eager, flex, flash"
             )
 
     @property
@@ -103,7 +106,8 @@ class ModelConfig:
         return None if self.is_full_attention(layer) else self.sliding_window
 
     def padded_vocab_size(self, tokenizer_vocab: int) -> int:
-        """``tokenizer_vocab`` rounded up to a multiple of ``vocab_pad_multiple`` (OLMo pads 100,278 to 100,352)."""
+        """``tokenizer_vocab`` rounded up to a multiple of ``vocab_pad_multiple`` (OLMo pads
+        100,278 to 100,352)."""
         m = self.vocab_pad_multiple
         return (tokenizer_vocab + m - 1) // m * m
 
@@ -122,7 +126,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    # ---- Presets (OLMo-core style names; the registry is olmoflow.model.presets.PRESETS) ----
+    # ---- Presets (OLMo-core style names; the registry is PRESETS, below the class) ----
     # Official shapes: the OLMo 2 / OLMo 3 Hugging Face config.json files (allenai/OLMo-2-0425-1B,
     # OLMo-2-1124-7B, OLMo-2-1124-13B, OLMo-2-0325-32B, Olmo-3-1025-7B, Olmo-3-1125-32B) and
     # OLMo-core's ``TransformerConfig.olmo2_*`` / ``olmo3_*``. Vocab: the dolma2 tokenizer's 100,278
@@ -210,11 +214,46 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """The preset ``name`` (see :data:`olmoflow.model.presets.PRESETS`) with field overrides.
+        """The preset ``name`` (see :data:`PRESETS`) with field overrides.
 
         Raises:
             OlmoflowError: unknown preset (naming the closest one) or an inconsistent override.
         """
-        from olmoflow.model.presets import get_preset
-
         return get_preset(name, **overrides)
+
+
+# The registry lives beside the classmethods it names, so a config never imports the modules
+# built on it (presets.py describes models and needs the model itself).
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "olmo2_1b": ModelConfig.olmo2_1b,
+    "olmo2_7b": ModelConfig.olmo2_7b,
+    "olmo2_13b": ModelConfig.olmo2_13b,
+    "olmo2_32b": ModelConfig.olmo2_32b,
+    "olmo3_7b": ModelConfig.olmo3_7b,
+    "olmo3_32b": ModelConfig.olmo3_32b,
+    "olmo3_14m": ModelConfig.olmo3_14m,
+    "olmo3_60m": ModelConfig.olmo3_60m,
+    "olmo3_190m": ModelConfig.olmo3_190m,
+    "olmo3_370m": ModelConfig.olmo3_370m,
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of preset ``name`` (case-insensitive, ``-`` same as ``_``).
+
+    Raises:
+        OlmoflowError: unknown name, naming the closest preset; or invalid ``overrides``.
+    """
+    key = name.strip().lower().replace("-", "_")
+    if key not in PRESETS:
+        hint = closest(key, PRESETS)
+        msg = f"unknown model preset '{name}'"
+        msg += f"; did you mean '{hint}'?" if hint else f"; valid: {', '.join(PRESETS)}"
+        raise OlmoflowError(msg)
+    cfg = PRESETS[key]()
+    if overrides:
+        unknown = set(overrides) - set(cfg.to_dict())
+        if unknown:
+            raise OlmoflowError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
+        cfg = replace(cfg, **overrides)  # re-runs validation
+    return cfg

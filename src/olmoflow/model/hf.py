@@ -9,6 +9,9 @@ Loading accepts what ``transformers`` 4 and 5 write: ``rope_theta``/``rope_scali
 ``rope_parameters`` (flat, or per layer type), sharded or single-file safetensors, any float dtype
 (kept unless ``dtype=`` is given). Saving strips ``torch.compile`` (``_orig_mod.``) and DDP
 (``module.``) prefixes. Reference: ``transformers/models/olmo3/{configuration,modeling}_olmo3.py``.
+
+This module converts configs and state dicts and never builds a model: :class:`Olmo` imports it
+(``from_pretrained``, ``save_pretrained``), so the imports point one way.
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare :class:`Olmo` inside ``torch.compile`` (``_orig_mod``) and DDP (``module``) wrappers."""
+    """The bare :class:`Olmo` inside ``torch.compile`` (``_orig_mod``) and DDP (``module``)
+    wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "config"):
+        elif (isinstance(getattr(model, "module", None), torch.nn.Module)
+              and not hasattr(model, "config")):
             model = model.module
         else:
             return model
@@ -183,9 +188,11 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """
     mt = d.get("model_type")
     if mt not in ("olmo2", "olmo3"):
-        raise OlmoflowError(f"config.json model_type '{mt}' is not supported (expected olmo2 or olmo3)")
+        raise OlmoflowError(
+            f"config.json model_type '{mt}' is not supported (expected olmo2 or olmo3)")
     if d.get("tie_word_embeddings"):
-        raise OlmoflowError("config.json has tie_word_embeddings=true; OLMo 2/3 use an untied LM head")
+        raise OlmoflowError(
+            "config.json has tie_word_embeddings=true; OLMo 2/3 use an untied LM head")
     layer_types = d.get("layer_types") if mt == "olmo3" else None
     sliding_rope, rope = _rope_entries(d)
     yarn = None
@@ -239,8 +246,8 @@ def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
 
     ``model`` may be wrapped by ``torch.compile`` or DDP; saved names never carry ``_orig_mod.`` or
     ``module.``. Weights keep the model's dtype unless ``dtype`` is given. Each file is written
-    atomically (for a whole directory written atomically see :func:`olmoflow.export.export_hf`).
-    Returns the files written.
+    atomically (for a whole directory written atomically see
+    :func:`olmoflow.release.export.export_hf`). Returns the files written.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -275,27 +282,17 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_hf_dir(path: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
-                device_map: str | None = None, load_in_8bit: bool = False,
-                quantization: str | None = None):
-    """Load a local Hugging Face OLMo 2/3 directory as :class:`Olmo` (in eval mode).
-
-    ``device_map="auto"`` (as in OLMo's docs) places the model on the GPU when there is one, else
-    the CPU. ``load_in_8bit=True`` quantizes the linear layers to int8 through bitsandbytes
-    (``quantization="torchao"`` picks torchao's int8 weight-only path instead); the LM head stays
-    in full precision. See :func:`olmoflow.infer.quantize.quantize_model`.
+def read_hf_dir(path: str | Path, *, device: str | torch.device = "cpu",
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The :class:`ModelConfig` and the weights (in olmoflow's names) of a local Hugging Face
+    OLMo 2/3 directory. :meth:`olmoflow.model.olmo.Olmo.from_pretrained` builds the model.
 
     Reads ``config.json`` (transformers 4 or 5 style) and ``model.safetensors`` or the shards
-    listed in ``model.safetensors.index.json``. The model is built on the meta device and the
-    loaded tensors are assigned in place (no second copy, no random init). Weights keep their
-    stored dtype (e.g. bf16) unless ``dtype`` is given.
+    listed in ``model.safetensors.index.json``, onto ``device``, keeping the stored dtype.
 
     Raises:
-        OlmoflowError: missing directory/config/weights, unsupported config, or weights that do
-            not match the config (names or shapes).
+        OlmoflowError: missing directory/config/weights, or an unsupported config.
     """
-    from olmoflow.model.olmo import Olmo
-
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -307,28 +304,4 @@ def load_hf_dir(path: str | Path, *, device="cpu", dtype: torch.dtype | None = N
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         state.update(load_file(str(f), device=str(device)))
-    state = from_hf_state_dict(state)
-    with torch.device("meta"):
-        model = Olmo(cfg)
-    expected = {k: p.shape for k, p in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
-    if missing or unexpected or wrong:
-        raise OlmoflowError(f"weights in '{path}' do not match its config.json: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    if device_map == "auto":
-        model = model.to("cuda" if torch.cuda.is_available() else "cpu")
-    elif device_map is not None:
-        model = model.to(device_map)
-    if load_in_8bit or quantization:
-        from olmoflow.infer.quantize import quantize_model
-
-        try:
-            quantize_model(model, quantization or "bnb")
-        except ImportError as e:
-            raise OlmoflowError(f"8-bit loading needs its library: {e} (pip install 'olmoflow[quant]')") from None
-    return model.eval()
+    return cfg, from_hf_state_dict(state)

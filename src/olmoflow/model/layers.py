@@ -48,7 +48,8 @@ def yarn_inv_freq(
     low-frequency dims are interpolated by ``factor``, with a linear ramp between; cos/sin are
     multiplied by ``mscale = 0.1 ln(factor) + 1``.
     """
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    even = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+    pos_freqs = theta ** (even / head_dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
 
@@ -61,7 +62,8 @@ def yarn_inv_freq(
     high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
     if low == high:
         high += 0.001  # avoid a division by zero in the ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -83,9 +85,11 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         if yarn_factor:
-            inv_freq, self.scale = yarn_inv_freq(head_dim, theta, yarn_factor, yarn_original_max_length)
+            inv_freq, self.scale = yarn_inv_freq(head_dim, theta, yarn_factor,
+                                                 yarn_original_max_length)
         else:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+            even = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+            inv_freq = 1.0 / (theta ** (even / head_dim))
             self.scale = 1.0
         # Kept out of the state dict and out of .to(dtype): the tables are derived from the config
         # and must stay fp32 even when the weights are bf16 or were built on the meta device.
@@ -107,7 +111,8 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 1:
             positions = positions[None]
         cos, sin = self._table(positions.device, self.max_length)
-        if not torch.compiler.is_compiling() and positions.device.type == "cpu" and positions.numel():
+        if (not torch.compiler.is_compiling() and positions.device.type == "cpu"
+                and positions.numel()):
             # Growing needs the largest position: a cheap read on CPU (on GPU, size max_length).
             top = int(positions.max())
             if top >= cos.shape[0]:

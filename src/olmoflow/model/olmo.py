@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from olmoflow.errors import OlmoflowError
 from olmoflow.model.attention import Attention, AttentionMask, KVCache
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -74,7 +75,8 @@ def lm_loss(
     """Cross-entropy on fp32 logits plus z-loss (PaLM, Chowdhery et al. 2022; OLMo uses 1e-5).
 
     Args:
-        logits: ``[..., V]``; labels: ``[...]`` with ``IGNORE_INDEX`` for positions without a target.
+        logits: ``[..., V]``; labels: ``[...]`` with ``IGNORE_INDEX`` for positions without a
+            target.
         z_loss_coef: weight of ``logsumexp(logits)**2``.
         normalizer: divide the summed losses by this (the number of target tokens in the whole
             global batch, for gradient accumulation); None divides by this call's target count.
@@ -209,7 +211,8 @@ class Olmo(nn.Module):
         B, T = input_ids.shape
         dev = input_ids.device
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
-            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must match input_ids "
+                             f"{tuple(input_ids.shape)}")
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
         if cache is not None and cache.static:
@@ -217,10 +220,14 @@ class Olmo(nn.Module):
                                                                    attention_mask, doc_ids)
         else:
             if cache_position is not None:
-                raise ValueError("cache_position needs a static cache: model.new_cache(..., static=True)")
+                raise ValueError("cache_position needs a static cache: "
+                                 "model.new_cache(..., static=True)")
             positions, masks = self._dynamic_inputs(T, cache, attention_mask, doc_ids, dev)
         cos, sin = self.rope(positions)
-        cos_full, sin_full = (cos, sin) if self.rope_full is self.rope else self.rope_full(positions)
+        if self.rope_full is self.rope:
+            cos_full, sin_full = cos, sin
+        else:
+            cos_full, sin_full = self.rope_full(positions)
 
         x = self.embeddings(input_ids)
         every = self.activation_checkpointing if self.training and torch.is_grad_enabled() else 0
@@ -284,32 +291,37 @@ class Olmo(nn.Module):
         being masked by causality."""
         dev = cache.position.device
         if doc_ids is not None:
-            raise ValueError("doc_ids (intra-document masking) is not supported with a static KV cache")
+            raise ValueError(
+                "doc_ids (intra-document masking) is not supported with a static KV cache")
         if cache_position is None:
             cache_position = cache.position + torch.arange(T, device=dev)
         elif cache_position.shape != (T,):
-            raise ValueError(f"cache_position must be [T] = [{T}], got {tuple(cache_position.shape)}")
+            raise ValueError(
+                f"cache_position must be [T] = [{T}], got {tuple(cache_position.shape)}")
         if not torch.compiler.is_compiling() and int(cache_position[-1]) >= cache.max_length:
             raise ValueError(f"KV cache overflow: {int(cache_position[-1]) + 1} positions > "
                              f"max_length {cache.max_length}")
         if attention_mask is not None:
             S = attention_mask.shape[1]
             if S < T or S > cache.max_length:
-                raise ValueError(f"attention_mask must cover the cached positions too: got width {S} "
-                                 f"for {T} new tokens and max_length {cache.max_length}")
+                raise ValueError(
+                    f"attention_mask must cover the cached positions too: got width {S} "
+                    f"for {T} new tokens and max_length {cache.max_length}")
             cache.key_padding[:, :S] = attention_mask
             cache.n_pad.copy_((~attention_mask).sum(-1))
             positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
         else:
             positions = (cache_position[None] - cache.n_pad[:, None]).clamp_min(0)
-        masks = {w: AttentionMask(cache_position, cache.max_length, w, key_padding=cache.key_padding,
-                                  aligned=False)
+        masks = {w: AttentionMask(cache_position, cache.max_length, w,
+                                  key_padding=cache.key_padding, aligned=False)
                  for w in self._windows()}
         return cache_position, positions, masks
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Sample continuations; see :func:`olmoflow.infer.generate.generate` for the arguments."""
+        """Sample continuations: ``[B, T] -> [B, T + n]``. Takes ``sampling=`` (a
+        :class:`~olmoflow.infer.sampling.SamplingParams`) or the ``transformers``-style keywords;
+        see :func:`olmoflow.infer.generate.generate` for the arguments and errors."""
         from olmoflow.infer.generate import generate
 
         return generate(self, input_ids, **kwargs)
@@ -323,14 +335,46 @@ class Olmo(nn.Module):
         ``Olmo.from_pretrained(dir, load_in_8bit=True, device_map="auto")`` works as in OLMo's
         docs (bitsandbytes int8; ``quantization="torchao"`` for torchao int8 weight-only).
 
-        Raises:
-            OlmoflowError: the directory or its files are missing, the config is not OLMo 2/3, or
-                8-bit loading was asked for without its library.
-        """
-        from olmoflow.model.hf import load_hf_dir
+        ``device_map="auto"`` places the model on the GPU when there is one, else the CPU. The
+        model is built on the meta device and the loaded tensors are assigned in place (no second
+        copy, no random init); weights keep their stored dtype (e.g. bf16) unless ``dtype`` is
+        given. With 8-bit loading the LM head stays in full precision (see
+        :func:`olmoflow.infer.quantize.quantize_model`). The model is returned in eval mode.
 
-        return load_hf_dir(path, device=device, dtype=dtype, device_map=device_map,
-                           load_in_8bit=load_in_8bit, quantization=quantization)
+        Raises:
+            OlmoflowError: the directory or its files are missing, the config is not OLMo 2/3, the
+                weights do not match the config (names or shapes), or 8-bit loading was asked for
+                without its library.
+        """
+        from olmoflow.model.hf import read_hf_dir
+
+        cfg, state = read_hf_dir(path, device=device)
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = {k: p.shape for k, p in model.state_dict().items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+        if missing or unexpected or wrong:
+            raise OlmoflowError(
+                f"weights in '{path}' do not match its config.json: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        if device_map == "auto":
+            model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+        elif device_map is not None:
+            model = model.to(device_map)
+        if load_in_8bit or quantization:
+            from olmoflow.infer.quantize import quantize_model
+
+            try:
+                quantize_model(model, quantization or "bnb")
+            except ImportError as e:
+                raise OlmoflowError(f"8-bit loading needs its library: {e} "
+                                    "(pip install 'olmoflow[quant]')") from None
+        return model.eval()
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the model in Hugging Face format (``config.json``, ``model.safetensors``)."""

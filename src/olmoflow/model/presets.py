@@ -1,6 +1,7 @@
-"""The model preset registry and ``olmoflow model info``.
+"""The model presets and ``olmoflow model info``.
 
-``PRESETS`` maps OLMo-core-style names to :class:`ModelConfig` classmethods:
+``PRESETS`` (defined beside :class:`ModelConfig`, re-exported here) maps OLMo-core-style names to
+:class:`ModelConfig` classmethods:
 
 =============  ==========================================================================
 olmo2_1b       OLMo-2-0425-1B   d_model 2048, 16 layers, 16 heads, MLP 8192
@@ -19,48 +20,12 @@ agree with the closed form :meth:`ModelConfig.num_params`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
-
 import torch
 
-from olmoflow.errors import OlmoflowError, closest
-from olmoflow.model.config import ModelConfig
+from olmoflow.model.config import PRESETS, ModelConfig, get_preset
+from olmoflow.model.olmo import Olmo
 
-PRESETS: dict[str, Callable[[], ModelConfig]] = {
-    "olmo2_1b": ModelConfig.olmo2_1b,
-    "olmo2_7b": ModelConfig.olmo2_7b,
-    "olmo2_13b": ModelConfig.olmo2_13b,
-    "olmo2_32b": ModelConfig.olmo2_32b,
-    "olmo3_7b": ModelConfig.olmo3_7b,
-    "olmo3_32b": ModelConfig.olmo3_32b,
-    "olmo3_14m": ModelConfig.olmo3_14m,
-    "olmo3_60m": ModelConfig.olmo3_60m,
-    "olmo3_190m": ModelConfig.olmo3_190m,
-    "olmo3_370m": ModelConfig.olmo3_370m,
-}
-
-
-def get_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of preset ``name`` (case-insensitive, ``-`` same as ``_``).
-
-    Raises:
-        OlmoflowError: unknown name, naming the closest preset; or invalid ``overrides``.
-    """
-    key = name.strip().lower().replace("-", "_")
-    if key not in PRESETS:
-        hint = closest(key, PRESETS)
-        msg = f"unknown model preset '{name}'"
-        msg += f"; did you mean '{hint}'?" if hint else f"; valid: {', '.join(PRESETS)}"
-        raise OlmoflowError(msg)
-    cfg = PRESETS[key]()
-    if overrides:
-        unknown = set(overrides) - set(cfg.to_dict())
-        if unknown:
-            raise OlmoflowError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
-        cfg = replace(cfg, **overrides)  # re-runs validation
-    return cfg
+__all__ = ["PRESETS", "format_info", "get_preset", "info_rows", "meta_param_counts"]
 
 
 def meta_param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -69,8 +34,6 @@ def meta_param_counts(cfg: ModelConfig) -> dict[str, int]:
     Returns ``{"total", "embedding", "non_embedding"}``; ``embedding`` counts the input embedding
     and the (untied) LM head, ``non_embedding`` everything else (blocks + final norm).
     """
-    from olmoflow.model.olmo import Olmo
-
     with torch.device("meta"):
         model = Olmo(cfg)
     total = emb = 0
@@ -115,7 +78,8 @@ def info_rows(cfg: ModelConfig) -> list[tuple[str, str]]:
         ("sliding_window", window),
         ("rope", rope),
         ("params total", f"{counts['total']:,} ({_human(counts['total'])})"),
-        ("params non-embedding", f"{counts['non_embedding']:,} ({_human(counts['non_embedding'])})"),
+        ("params non-embedding",
+         f"{counts['non_embedding']:,} ({_human(counts['non_embedding'])})"),
         ("params embedding", f"{counts['embedding']:,} (input embedding + untied LM head)"),
         ("bf16 weights", f"{gib:.2f} GiB"),
     ]

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmoflow.config import all_keys, from_dict, load_tree, set_dotted, to_yaml
+from olmoflow.config import all_keys, from_dict, load_tree, note_renamed, parse_override, to_yaml
 from olmoflow.data.config import CleanConfig, CollectConfig, TokenizeConfig
 from olmoflow.errors import OlmoflowError
 from olmoflow.eval.config import EvalConfig
@@ -22,7 +22,7 @@ from olmoflow.infer.config import GenerateConfig
 from olmoflow.model.config import ModelConfig
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.tokenizer.config import TokenizerConfig
-from olmoflow.train.config import TrainConfig
+from olmoflow.train.config import SECTION_TYPES, TrainConfig
 
 
 @dataclass
@@ -40,6 +40,32 @@ class RunConfig:
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """Accept the forms of OLMo's docs: a top-level ``resume_from`` (``olmoflow pretrain CONFIG
+        resume_from=latest``), and a finetuning config's top-level ``optimizer: {type, lr}`` and
+        ``data: {paths: [...]}``, which are ``train.checkpoint.resume_from``, ``train.optimizer``
+        and ``train.data`` here (the last two with a one-line note)."""
+        if "resume_from" in data:
+            train = _subsection(data, "train")
+            _subsection(train, "checkpoint")["resume_from"] = data.pop("resume_from")
+        if "optimizer" in data:
+            note_renamed(f"{prefix}optimizer", f"{prefix}train.optimizer")
+            value, train = data.pop("optimizer"), _subsection(data, "train")
+            old = train.get("optimizer")
+            both = isinstance(old, dict) and isinstance(value, dict)
+            train["optimizer"] = {**old, **value} if both else value
+        paths = data.get("data")
+        if isinstance(paths, dict) and "paths" in paths:
+            note_renamed(f"{prefix}data.paths", f"{prefix}train.data")
+            rest = {k: v for k, v in paths.items() if k != "paths"}
+            _subsection(data, "train")["data"] = paths["paths"]
+            if rest:
+                data["data"] = rest
+            else:
+                data.pop("data")
+        return data
 
     def __post_init__(self) -> None:
         # Checks across sections, made before any stage runs (not after minutes of training).
@@ -73,18 +99,38 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
     ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
     Python values, applied last (what CLI flags such as ``--data`` set). A top-level
     ``resume_from`` (``olmoflow pretrain CONFIG resume_from=latest``, the form OLMo's docs use) is
-    ``train.resume_from``: ``latest``, a checkpoint directory, or ``stepN``.
+    ``train.checkpoint.resume_from``: ``latest``, a checkpoint directory, or ``stepN``; older
+    spellings of keys are accepted with a note (see :meth:`RunConfig.upgrade_keys` and
+    :meth:`~olmoflow.train.config.TrainConfig.upgrade_keys`).
 
     Raises:
         OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
             value of the wrong type.
     """
+    overrides = [_upgrade_override(o) for o in overrides or []]
     tree = load_tree(name_or_path, overrides, values)
-    if "resume_from" in tree:  # OLMo's docs resume with a top-level key; it means train.resume_from
-        set_dotted(tree, "train.resume_from", tree.pop("resume_from"))
     return from_dict(RunConfig, tree, universe=all_keys(RunConfig))
+
+
+def _upgrade_override(text: str) -> str:
+    """``train.schedule=wsd`` (the old form) -> ``train.schedule.type=wsd``: applied as it is, the
+    string would replace the preset's whole ``train.schedule`` section and drop its other keys."""
+    key, value = parse_override(text)
+    for section, where in SECTION_TYPES.items():
+        if key == f"train.{section}" and not isinstance(value, dict):
+            note_renamed(key, f"train.{where}")
+            return f"train.{where}={text.split('=', 1)[1]}"
+    return text
 
 
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML text."""
     return to_yaml(cfg)
+
+
+def _subsection(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The raw mapping ``data[name]``, created (or copied, so a shared tree is not changed)."""
+    sub = data.get(name)
+    sub = dict(sub) if isinstance(sub, dict) else {}
+    data[name] = sub
+    return sub

@@ -2,8 +2,8 @@
 
 A stage's fingerprint is the sha256 of its config sections and of the manifests (outputs and their
 hashes) of the stages it reads. A stage whose directory has a manifest with the same fingerprint
-and intact outputs is skipped; otherwise its directory is cleared and it runs again. Pretraining
-(any stage whose record says it trains) is the exception: an interrupted run with the same
+and intact outputs is skipped; otherwise its directory is cleared and it runs again. A training
+stage (one whose record says it trains) is the exception: an interrupted run with the same
 fingerprint resumes from its latest checkpoint, and checkpoints made under another fingerprint are
 kept until the user says ``resume_from=latest`` (continue them) or ``--force`` (start over).
 
@@ -12,6 +12,7 @@ The runner knows no stage by name: what it needs to know is in each :class:`Stag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -28,10 +29,11 @@ from olmoflow.artifacts import (
     sha256_json,
     write_manifest,
 )
+from olmoflow.config import set_dotted
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
-from olmoflow.pipeline.stage import Stage
-from olmoflow.pipeline.stages import BY_NAME, STAGES
+from olmoflow.pipeline.stage import Stage, StageTable
+from olmoflow.pipeline.stages import STAGES
 from olmoflow.run_dir import RunDir
 from olmoflow.train import distributed
 from olmoflow.train.checkpoint import has_checkpoint, resolve_checkpoint
@@ -63,18 +65,31 @@ def _drop(tree: dict[str, Any], dotted: str) -> None:
     tree.pop(last, None)
 
 
-def fingerprint(cfg: RunConfig, name: str) -> str:
+def _resolved(cfg: RunConfig, key: str) -> Any:
+    """The resolved value of a config section or key, as plain data (a dataclass as a dict)."""
+    value = _get_dotted(cfg, key)
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def fingerprint(cfg: RunConfig, name: str, table: StageTable | None = None) -> str:
     """The sha256 of what stage ``name`` makes its output from: its config sections (less its
-    bookkeeping keys), its extra stamp, and the manifests of the enabled upstream stages."""
-    stage = BY_NAME[name]
+    bookkeeping keys), its extra stamp, and the manifests of the enabled upstream stages.
+
+    ``table``: the table of stages (default: the flow's, :data:`STAGES`).
+
+    Raises:
+        OlmoflowError: ``name`` is no stage of ``table``.
+    """
+    table = STAGES if table is None else table
+    stage = table[name]
     parts: dict[str, Any] = {"stage": name}
     for sec in stage.sections:
-        parts[sec] = cfg.section(sec) if sec != "seed" else cfg.seed
+        set_dotted(parts, sec, _resolved(cfg, sec))
     for key in stage.ignore:
         _drop(parts, key)
     runs = RunDir(cfg.run_dir)
     for up in stage.upstream:
-        if BY_NAME[up].is_enabled(cfg):
+        if table[up].is_enabled(cfg):
             m = read_manifest(runs.stage(up)) or {}
             parts[f"upstream:{up}"] = [m.get("fingerprint"), m.get("outputs")]
     if stage.stamp is not None:
@@ -83,9 +98,22 @@ def fingerprint(cfg: RunConfig, name: str) -> str:
 
 
 def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool = False,
-              command: str = "") -> tuple[str, float, dict[str, Any]]:
-    """Run one stage unless it is complete. Returns ``(status, seconds, counts)``."""
-    stage = BY_NAME[name]
+              command: str = "", table: StageTable | None = None
+              ) -> tuple[str, float, dict[str, Any]]:
+    """Run one stage unless it is complete (see the module docstring).
+
+    Args:
+        force: run it even when complete (a training stage then starts over from step 0).
+        command: the command line recorded in its manifest (default: ``sys.argv``).
+        table: the table of stages (default: the flow's, :data:`STAGES`).
+    Returns:
+        ``(status, seconds, counts)``: status ``"ran"``, ``"resumed"`` or ``"skipped"``.
+    Raises:
+        OlmoflowError: an unknown stage, a path in the way, checkpoints made under another
+            config (the message says how to continue or start over), or the stage's own errors.
+    """
+    table = STAGES if table is None else table
+    stage = table[name]
     out = RunDir(cfg.run_dir).stage(name)
     info = distributed.init_from_env()  # under torchrun; one process otherwise
     if out.exists() and not out.is_dir():
@@ -95,7 +123,7 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     if force and resume_from and _resumes_inside(out, resume_from):
         raise OlmoflowError(f"--force would delete the checkpoints in '{out}' that resume_from="
                             f"{resume_from} continues; drop one of the two")
-    fp = fingerprint(cfg, name)
+    fp = fingerprint(cfg, name, table)
     complete = not force and is_complete(out, fp)
     # An explicit resume_from continues the stage's checkpoints even under a changed config (e.g.
     # more train.max_steps) instead of clearing them.
@@ -109,9 +137,9 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     complete, resuming, kept = distributed.broadcast_object((complete, resuming, kept))
     if kept is not None:
         raise OlmoflowError(
-            f"'{out}' holds checkpoints (newest: {kept}) made under a different config or different "
-            "upstream data; add resume_from=latest to continue them under this config, or --force "
-            "to delete them and train from step 0")
+            f"'{out}' holds checkpoints (newest: {kept}) made under a different config or "
+            "different upstream data; add resume_from=latest to continue them under this config, "
+            "or --force to delete them and train from step 0")
     if complete:
         return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
     if resuming:
@@ -165,29 +193,53 @@ def _same_fingerprint(out: Path, fp: str) -> bool:
 
 
 def _headline(stage: Stage, counts: dict[str, Any]) -> str:
+    """``k=v, ...`` of the stage's headline counts that ``counts`` holds."""
     parts = []
     for k in stage.headline:
-        if k in counts and counts[k] is not None:
-            v = counts[k]
-            parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v:,}" if isinstance(v, int) else f"{k}={v}")
+        v = counts.get(k)
+        if v is None:
+            continue
+        if isinstance(v, float):
+            parts.append(f"{k}={v:.4g}")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            parts.append(f"{k}={v:,}")
+        else:
+            parts.append(f"{k}={v}")
     return ", ".join(parts)
 
 
 def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: bool = True,
-                 force: bool = False) -> list[tuple[str, str, float, dict[str, Any]]]:
-    """Run the flow (all stages, or ``stages``), printing a line per stage and a summary table."""
+                 force: bool = False, table: StageTable | None = None
+                 ) -> list[tuple[str, str, float, dict[str, Any]]]:
+    """Run the flow, printing a line per stage and (for several) a summary table.
+
+    Args:
+        stages: the names of the stages to run, in this order (default: every enabled stage of
+            ``table``, in table order).
+        table: the table of stages (default: the flow's, :data:`STAGES`).
+    Returns:
+        A row ``(name, status, seconds, counts)`` per stage run.
+    Raises:
+        OlmoflowError: a path in the way, an unknown stage, or a stage's error; a run directory
+            the call created is removed again when no stage finished.
+    """
+    table = STAGES if table is None else table
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise OlmoflowError(f"run_dir '{run_dir}' exists and is not a directory")
     created = not run_dir.exists()
     main = distributed.init_from_env().is_main  # under torchrun only rank 0 prints and writes
     rows = []
-    names = stages or [s.name for s in STAGES if s.is_enabled(cfg)]
+    names = stages or [s.name for s in table.enabled(cfg)]
+    for name in names:
+        table[name]  # an unknown stage fails before any stage runs
     try:
         for name in names:
-            status, secs, counts = run_stage(cfg, name, progress=progress, force=force)
+            status, secs, counts = run_stage(cfg, name, progress=progress, force=force,
+                                             table=table)
             if main:
-                print(f"[{name}] {status} in {secs:.1f}s: {_headline(BY_NAME[name], counts)}", flush=True)
+                print(f"[{name}] {status} in {secs:.1f}s: {_headline(table[name], counts)}",
+                      flush=True)
             rows.append((name, status, secs, counts))
             if len(rows) == 1 and main:  # the run exists once a stage is done: record its config
                 atomic_write_text(RunDir(run_dir).config, dump_config(cfg))
@@ -196,15 +248,18 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
             run_dir.rmdir()  # a run that failed before its first stage leaves nothing behind
         raise
     if len(names) > 1 and main:
-        print_summary(rows, run_dir)
+        print_summary(rows, run_dir, table)
     return rows
 
 
-def print_summary(rows, run_dir: Path) -> None:
+def print_summary(rows: list[tuple[str, str, float, dict[str, Any]]], run_dir: Path,
+                  table: StageTable | None = None) -> None:
+    """Print the table of ``rows`` (from :func:`run_pipeline`): stage, status, time, headline."""
+    table = STAGES if table is None else table
     w = max(len(r[0]) for r in rows)
     lines = [f"{'stage':<{w}}  {'status':<8}  {'time':>8}  result", "-" * (w + 40)]
     for name, status, secs, counts in rows:
-        lines.append(f"{name:<{w}}  {status:<8}  {secs:>7.1f}s  {_headline(BY_NAME[name], counts)}")
+        lines.append(f"{name:<{w}}  {status:<8}  {secs:>7.1f}s  {_headline(table[name], counts)}")
     total = sum(r[2] for r in rows)
     lines.append(f"{'total':<{w}}  {'':<8}  {total:>7.1f}s  artifacts in {run_dir}{os.sep}")
     print("\n" + "\n".join(lines), flush=True)

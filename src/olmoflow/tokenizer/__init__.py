@@ -31,14 +31,17 @@ def tokenizer_class(implementation: str) -> type[BaseTokenizer]:
     if implementation in BUILTIN:
         return BUILTIN[implementation]
     if ":" not in implementation:
-        raise unknown_name_error("tokenizer.implementation", implementation, [*BUILTIN, "module:Class"])
+        raise unknown_name_error("tokenizer.implementation", implementation,
+                                 [*BUILTIN, "module:Class"])
     module, _, name = implementation.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise OlmoflowError(f"tokenizer.implementation '{implementation}' cannot be loaded: {e}") from None
+        raise OlmoflowError(
+            f"tokenizer.implementation '{implementation}' cannot be loaded: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, BaseTokenizer)):
-        raise OlmoflowError(f"tokenizer.implementation '{implementation}' is not a BaseTokenizer subclass")
+        raise OlmoflowError(
+            f"tokenizer.implementation '{implementation}' is not a BaseTokenizer subclass")
     return cls
 
 

@@ -7,8 +7,8 @@ vocabulary with all 256 byte symbols, so no input is ever unknown.
 Special tokens in user text: the literal string ``<|endoftext|>`` (or ``<|pad|>``) inside a
 document is encoded as ordinary text, never as the special id (``tokenizers``'
 ``encode_special_tokens``), so a document cannot forge a document boundary and every text
-round-trips. Only olmoflow itself inserts EOS (``add_eos``). ``transformers``' tokenizer on the saved
-files gives the same ids for every text without such literals.
+round-trips. Only olmoflow itself inserts EOS (``add_eos``). ``transformers``' tokenizer on the
+saved files gives the same ids for every text without such literals.
 
 Files (the Hugging Face layout, so ``AutoTokenizer.from_pretrained(dir)`` loads them):
 ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.

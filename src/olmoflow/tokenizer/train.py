@@ -1,5 +1,6 @@
-"""The ``train-tokenizer`` stage: a tokenizer (byte-level BPE by default) trained on the clean
-documents' texts."""
+"""The one tokenizer trainer: a tokenizer of ``tokenizer.implementation`` (byte-level BPE by
+default) trained on documents' texts. The main flow's ``train-tokenizer`` stage and the data
+engine's tokenize step (when it is given no tokenizer) both call :func:`train_tokenizer`."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from olmoflow.artifacts import StageResult, data_files
-from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BPETokenizer, tokenizer_class
+from olmoflow.tokenizer.config import TokenizerConfig
 
 # Compression is measured on the first documents up to this many bytes of text (in-sample: these
 # documents were also trained on; it is a sanity number, not an evaluation).
@@ -18,13 +19,16 @@ SAMPLE_BYTES = 1 << 20
 
 
 def train_tokenizer(
-    cfg: TokenizerConfig, docs_path: Path, out_dir: Path, progress: bool = True
+    cfg: TokenizerConfig, docs_path: Path | list[Path], out_dir: Path, progress: bool = True
 ) -> StageResult:
-    """Train byte-level BPE on the ``text`` of every document and save it in ``out_dir``.
+    """Train a tokenizer of ``cfg.implementation`` on the ``text`` of every document; save it in
+    ``out_dir``.
 
     Args:
-        cfg: vocab size (special tokens included), min pair frequency, EOS and pad tokens.
-        docs_path: documents (gzipped JSONL, as read by ``read_documents``).
+        cfg: implementation, vocab size (special tokens included), min pair frequency, EOS and
+            pad tokens.
+        docs_path: a documents file (gzipped JSONL, as read by ``read_documents``) or a list of
+            them (the data engine's mixed shards), read in order.
         out_dir: receives ``tokenizer.json``, ``tokenizer_config.json`` and
             ``special_tokens_map.json``.
         progress: show the trainer's progress bar.
@@ -37,14 +41,15 @@ def train_tokenizer(
     Raises:
         OlmoflowError: no documents, or a vocab size too small for byte-level BPE.
     """
-    docs_path, out_dir = Path(docs_path), Path(out_dir)
+    paths = [Path(p) for p in docs_path] if isinstance(docs_path, list) else [Path(docs_path)]
+    out_dir = Path(out_dir)
     stats = {"documents": 0, "bytes": 0}
     sample: list[str] = []
     sample_bytes = 0
 
     def texts() -> Iterator[str]:
         nonlocal sample_bytes
-        for doc in read_documents(docs_path):
+        for doc in (d for p in paths for d in read_documents(p)):
             text = doc["text"]
             n = len(text.encode("utf-8"))
             stats["documents"] += 1
@@ -64,9 +69,10 @@ def train_tokenizer(
         for _ in texts():
             pass  # counts and the compression sample
         tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
-        tok.train([str(docs_path)])
+        tok.train([str(p) for p in paths])
     if stats["documents"] == 0:
-        raise OlmoflowError(f"no documents to train the tokenizer on in {docs_path}")
+        where = ", ".join(str(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        raise OlmoflowError(f"no documents to train the tokenizer on in {where}")
     outputs = tok.save(out_dir)
     sample_tokens = sum(len(ids) for ids in tok.encode_batch(sample))
     counts = {
@@ -76,4 +82,5 @@ def train_tokenizer(
         "sample_tokens": sample_tokens,
         "bytes_per_token": round(sample_bytes / max(sample_tokens, 1), 4),
     }
-    return StageResult(inputs=data_files(docs_path), outputs=outputs, counts=counts)
+    inputs = [f for p in paths for f in data_files(p)]
+    return StageResult(inputs=inputs, outputs=outputs, counts=counts)

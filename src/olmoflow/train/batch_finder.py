@@ -25,6 +25,7 @@ import torch
 from olmoflow.errors import OlmoflowError
 from olmoflow.train import distributed
 from olmoflow.train.plan import GB, activation_bytes_per_token, memory_plan
+from olmoflow.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def find_micro_batch(per_rank_batch: int, fits: Callable[[int], bool]) -> int:
     raise OlmoflowError("train.auto_micro_batch: not even a micro-batch of 1 instance fits in "
                         "memory; shorten train.sequence_length, turn on "
                         "train.activation_checkpointing, use more processes with "
-                        "train.data_parallel=fsdp, or raise train.memory_budget_gb")
+                        "train.parallel.data_parallel=fsdp, or raise train.memory_budget_gb")
 
 
 def default_budget_bytes(local_world_size: int = 1) -> float:
@@ -74,7 +75,8 @@ def _meminfo_available() -> float:
 
 
 def cpu_estimate_fits(model_cfg, *, sequence_length: int, budget_bytes: float, world_size: int,
-                      data_parallel: str, act_bytes: int, checkpointing: int) -> Callable[[int], bool]:
+                      data_parallel: str, act_bytes: int,
+                      checkpointing: int) -> Callable[[int], bool]:
     """``fits(m)``: weights + gradients + AdamW moments (sharded under FSDP) + activations and
     logits of an ``m x sequence_length`` micro-batch <= ``budget_bytes`` (plan closed forms; no
     GPU reserve)."""
@@ -82,7 +84,8 @@ def cpu_estimate_fits(model_cfg, *, sequence_length: int, budget_bytes: float, w
                        micro_batch_size=1, sequence_length=sequence_length,
                        precision="fp32" if act_bytes == 4 else "bf16")
     static = plan.static - plan.reserve  # no CUDA context on CPU
-    per_instance = sequence_length * (activation_bytes_per_token(model_cfg, act_bytes, checkpointing)
+    per_instance = sequence_length * (activation_bytes_per_token(model_cfg, act_bytes,
+                                                                 checkpointing)
                                       + 8 * model_cfg.vocab_size)
     return lambda m: static + m * per_instance <= budget_bytes
 
@@ -100,7 +103,8 @@ def cuda_trial_fits(model: torch.nn.Module, *, sequence_length: int, vocab_size:
             try:
                 reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
                 gen = torch.Generator(device=device).manual_seed(0)
-                ids = torch.randint(0, vocab_size, (m, sequence_length), device=device, generator=gen)
+                ids = torch.randint(0, vocab_size, (m, sequence_length), device=device,
+                                    generator=gen)
                 with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                     out = model(ids, ids)
                 out.loss.backward()
@@ -124,8 +128,6 @@ def auto_micro_batch(trainer) -> int:
         OlmoflowError: the model is not an olmoflow ``Olmo`` on CPU (no shape to estimate from),
             or nothing fits.
     """
-    from olmoflow.train.trainer import autocast_dtype
-
     cfg, info = trainer.cfg, trainer.dist
     per_rank = trainer.per_rank_batch
     inner = distributed.unwrap(trainer.model)
@@ -137,12 +139,13 @@ def auto_micro_batch(trainer) -> int:
         # FSDP2 (its own module) needs its collectives; every rank tries the same sizes in order.
         optimizers = getattr(trainer.optimizer, "optimizers", [trainer.optimizer])  # Muon + AdamW
         moments_missing = not any(len(s) for o in optimizers for s in o.state.values())
-        shard = info.world_size if cfg.data_parallel == "fsdp" else 1
+        shard = info.world_size if cfg.parallel.data_parallel == "fsdp" else 1
         n_params = sum(p.numel() for p in inner.parameters())
         reserve = int(8 * n_params / shard) if moments_missing else 0
         vocab = getattr(model_cfg, "vocab_size", None)  # ModelConfig, or a transformers config
         if not vocab:
-            raise OlmoflowError("train.auto_micro_batch needs the model's vocab_size (model.config)")
+            raise OlmoflowError("train.auto_micro_batch needs the model's vocab_size "
+                                "(model.config)")
         fits = cuda_trial_fits(inner, sequence_length=cfg.sequence_length, vocab_size=vocab,
                                reserve_bytes=reserve, amp=amp)
         how = "tried forward+backward on " + str(device)
@@ -152,8 +155,9 @@ def auto_micro_batch(trainer) -> int:
                                 f"needs an olmoflow Olmo model, got {type(inner).__name__}")
         budget = (cfg.memory_budget_gb * GB if cfg.memory_budget_gb
                   else default_budget_bytes(info.local_world_size))
-        fits = cpu_estimate_fits(model_cfg, sequence_length=cfg.sequence_length, budget_bytes=budget,
-                                 world_size=info.world_size, data_parallel=cfg.data_parallel,
+        fits = cpu_estimate_fits(model_cfg, sequence_length=cfg.sequence_length,
+                                 budget_bytes=budget, world_size=info.world_size,
+                                 data_parallel=cfg.parallel.data_parallel,
                                  act_bytes=2 if amp is not None else 4,
                                  checkpointing=cfg.activation_checkpointing)
         how = f"estimated against a {budget / GB:.3g} GB budget"

@@ -49,7 +49,8 @@ _NAME = re.compile(r"^(?:(?P<stage>.+)-)?step(?P<step>\d+)(?:-tokens(?P<tokens>\
 _UNITS = (("B", 10**9), ("M", 10**6), ("K", 10**3))
 
 # One process without init_process_group is a supported dcp mode, not a problem to warn about.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def format_tokens(tokens: int) -> str:
@@ -85,7 +86,8 @@ def list_checkpoints(save_folder: Path) -> list[Path]:
     if not save_folder.is_dir():
         return []
     found = [(step, p) for p in save_folder.iterdir()
-             if (step := parse_checkpoint_name(p.name)) is not None and (p / TRAINER_STATE).is_file()]
+             if (step := parse_checkpoint_name(p.name)) is not None
+             and (p / TRAINER_STATE).is_file()]
     return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name))]
 
 
@@ -108,7 +110,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind ``optimizer`` (a composite such as Muon + AdamW lists several)."""
+    """The torch optimizers behind ``optimizer`` (a composite such as Muon + AdamW lists
+    several)."""
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
@@ -119,7 +122,7 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
 
     Args:
         trainer_state: must hold ``tokens_seen`` (used in the name); saved with the RNG states.
-        stage: the name's prefix (``train.stage``).
+        stage: the name's prefix (``train.checkpoint.stage``).
         loss: the training loss at this step, recorded in ``checkpoints.csv``.
         keep_every, keep_last: see :func:`prune_checkpoints`.
     Returns:
@@ -136,7 +139,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         tmp.mkdir(parents=True)
     distributed.barrier()
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "model_and_optim"))
+    dcp.save({"model": model_state, "optim": optim_state},
+             checkpoint_id=str(tmp / "model_and_optim"))
     if main:
         torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
@@ -151,7 +155,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         pruned = prune_checkpoints(save_folder, final, keep_every=keep_every, keep_last=keep_last)
         row = {"step": step, "tokens": int(trainer_state["tokens_seen"]), "name": final.name,
                "loss": "" if loss is None else f"{loss:.6f}",
-               "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "status": "kept"}
+               "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "status": "kept"}
         _update_index(save_folder, row, pruned)
         atomic_write_text(save_folder / LATEST, final.name + "\n")
     distributed.barrier()
@@ -178,7 +183,8 @@ def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,
     doomed = [p for p in rest[: max(0, len(rest) - keep_last)] if p != newest]
     for p in doomed:
         # Renamed out of the checkpoint namespace first: a process killed mid-delete (Slurm
-        # preemption) leaves a hidden leftover, never a half-deleted checkpoint a resume would trust.
+        # preemption) leaves a hidden leftover, never a half-deleted checkpoint a resume would
+        # trust.
         trash = p.with_name(f".{p.name}.pruned")
         shutil.rmtree(trash, ignore_errors=True)
         p.rename(trash)
@@ -221,8 +227,8 @@ def check_save_folder(save_folder: Path, *files: str) -> None:
         raise OlmoflowError(f"checkpoint folder '{save_folder}' exists and is not a directory")
     for name in (LATEST, INDEX, *files):
         if (save_folder / name).is_dir():
-            raise OlmoflowError(f"'{save_folder / name}' is a directory, where the run writes a file; "
-                                "move it away")
+            raise OlmoflowError(f"'{save_folder / name}' is a directory, where the run writes a "
+                                "file; move it away")
 
 
 def has_checkpoint(save_folder: Path) -> bool:
@@ -255,13 +261,15 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
         # The pointer is written last; without it, the newest complete checkpoint is latest.
         found = list_checkpoints(save_folder)
         if not found:
-            raise OlmoflowError(f"resume_from=latest but '{save_folder}' has no complete checkpoint")
+            raise OlmoflowError(f"resume_from=latest but '{save_folder}' has no complete "
+                                "checkpoint")
         return max(found, key=lambda p: parse_checkpoint_name(p.name))
     p = Path(resume_from)
     for cand in (p, save_folder / p):
         if (cand / TRAINER_STATE).is_file():
             return cand
-    for cand in (p, save_folder / p):  # a folder of checkpoints (this run's or another's): its latest
+    # A folder of checkpoints (this run's or another's) means its latest.
+    for cand in (p, save_folder / p):
         if cand.is_dir() and list_checkpoints(cand):
             return resolve_checkpoint(cand, LATEST)
     step = parse_checkpoint_name(p.name)
@@ -273,7 +281,8 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
         names = names[:3] + [f"... ({len(names) - 6} more)"] + names[-3:]
     pruned = [r["name"] for r in read_index(save_folder) if r.get("status") == "pruned"
               and (r["name"] == p.name or (str(p) == p.name and r.get("step") == str(step)))]
-    why = (f"'{pruned[-1]}' was pruned (train.keep_last/keep_every, see {INDEX}); " if pruned else "")
+    why = (f"'{pruned[-1]}' was pruned (train.checkpoint.keep_last/keep_every, see {INDEX}); "
+           if pruned else "")
     raise OlmoflowError(f"no checkpoint at '{resume_from}' ({why}expected 'latest', a checkpoint "
                         f"directory or stepN; '{save_folder}' has: {', '.join(names) or 'none'})")
 
@@ -282,7 +291,8 @@ def _unreadable(path: Path, what: str, e: BaseException) -> OlmoflowError:
     """The one-line error for a checkpoint that exists but cannot be loaded, naming the others."""
     path = Path(path)
     others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
-    if isinstance(e, CheckpointException) and e.failures:  # the first rank's own error, no traceback
+    # The first rank's own error, no traceback.
+    if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
     hint = (f"resume from another one, e.g. resume_from={others[-1]}" if others

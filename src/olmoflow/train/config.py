@@ -1,147 +1,284 @@
-"""Config section of training (``train``)."""
+"""Config section of training (``train``), nested as OLMo-core's: one section per part of the
+trainer it builds (``optimizer``, ``schedule``, ``checkpoint``, ``parallel``, ``log``).
+
+The tuples of valid names live here and the implementation modules import them from here
+(``optim.py``, ``schedule.py``, ``distributed.py``, ``loggers.py``), so reading a config never
+imports the trainer and the imports point one way.
+
+Older flat spellings (``train.lr``, ``train.save_interval``, ``train.schedule: cosine``, ...) are
+still read: :meth:`TrainConfig.upgrade_keys` moves each to its new place with a one-line note.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from olmoflow.config import note_renamed
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
+OPTIMIZERS = ("adamw", "skip_step_adamw", "muon")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+DATA_PARALLEL = ("ddp", "fsdp")
+LOGGERS = ("tensorboard", "wandb")
 PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """NaN and infinity are never valid config numbers."""
+    for f in fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise OlmoflowError(f"{prefix}.{f.name} must be a finite number, got {v}")
+
+
+def _check_non_negative(section: Any, prefix: str, keys: tuple[str, ...], why: str = "") -> None:
+    for key in keys:
+        if getattr(section, key) < 0:
+            raise OlmoflowError(f"{prefix}.{key} must be >= 0{why}, got {getattr(section, key)}")
+
+
+@dataclass
+class OptimizerConfig:
+    """``train.optimizer``: which optimizer and its numbers (see :mod:`olmoflow.train.optim`).
+
+    ``type``: ``adamw`` | ``skip_step_adamw`` (skip a step whose loss or grad norm is more than
+    ``skip_step_sigma`` standard deviations above the last ``skip_step_window`` steps) | ``muon``
+    (Muon for the 2-D hidden matrices at ``muon_lr``; AdamW keeps ``lr`` for the rest). ``lr`` is
+    the peak learning rate of the schedule; ``betas`` are AdamW's (beta1, beta2).
+    """
+
+    type: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    skip_step_sigma: float = 6.0
+    skip_step_window: int = 128
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+
+    def __post_init__(self) -> None:
+        p = "train.optimizer"
+        if self.type not in OPTIMIZERS:
+            raise unknown_name_error(f"{p}.type", self.type, OPTIMIZERS)
+        _check_finite(self, p)
+        if self.lr <= 0:
+            raise OlmoflowError(f"{p}.lr must be > 0, got {self.lr}")
+        _check_non_negative(self, p, ("weight_decay",))
+        if len(self.betas) != 2 or not all(0 <= b < 1 and math.isfinite(b) for b in self.betas):
+            raise OlmoflowError(f"{p}.betas must be two numbers in [0, 1) (beta1, beta2), "
+                                f"got {self.betas}")
+        if self.eps <= 0:
+            raise OlmoflowError(f"{p}.eps must be > 0, got {self.eps}")
+        if self.skip_step_window < 2:  # the spike test needs a mean and a std of >= 2 earlier steps
+            raise OlmoflowError(f"{p}.skip_step_window must be >= 2 steps, got "
+                                f"{self.skip_step_window}")
+        if self.skip_step_sigma <= 0 or self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:
+            raise OlmoflowError(f"{p}.skip_step_sigma and {p}.muon_lr must be > 0 and "
+                                f"{p}.muon_momentum in [0, 1)")
+
+
+@dataclass
+class ScheduleConfig:
+    """``train.schedule``: the learning-rate schedule over ``train.max_steps`` optimizer steps
+    (see :mod:`olmoflow.train.schedule`): linear warmup over ``warmup_steps``, then ``type``
+    (``cosine`` | ``linear`` | ``wsd`` | ``constant``) down to ``min_lr_ratio`` x the peak lr."""
+
+    type: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        p = "train.schedule"
+        if self.type not in SCHEDULES:
+            raise unknown_name_error(f"{p}.type", self.type, SCHEDULES)
+        _check_finite(self, p)
+        _check_non_negative(self, p, ("warmup_steps",))
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise OlmoflowError(f"{p}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class CheckpointConfig:
+    """``train.checkpoint``: when checkpoints are written and which are kept
+    (see :mod:`olmoflow.train.checkpoint`).
+
+    ``save_interval`` steps between saves (0: only at the end); directories are named OLMo's way,
+    ``{stage}-step{N}-tokens{T}``; ``keep_every`` keeps the steps that are a multiple of it forever
+    and ``keep_last`` the newest K of the others (0: off / keep all); ``resume_from`` is ``latest``,
+    ``stepN`` or a checkpoint directory.
+    """
+
+    save_interval: int = 500
+    keep_every: int = 0
+    keep_last: int = 0
+    stage: str = "stage1"
+    resume_from: str | None = None
+
+    def __post_init__(self) -> None:
+        p = "train.checkpoint"
+        _check_non_negative(self, p, ("save_interval", "keep_every", "keep_last"), " (0: off)")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.stage):
+            raise OlmoflowError(f"{p}.stage '{self.stage}' must be letters, digits, '_', '.' or "
+                                "'-' (it names checkpoint directories, e.g. stage1)")
+
+
+@dataclass
+class ParallelConfig:
+    """``train.parallel``: how processes under torchrun share the model (see
+    :mod:`olmoflow.train.distributed`): ``data_parallel`` is ``ddp`` or ``fsdp`` (FSDP2)."""
+
+    data_parallel: str = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            raise unknown_name_error("train.parallel.data_parallel", self.data_parallel,
+                                     DATA_PARALLEL)
+
+
+@dataclass
+class LogConfig:
+    """``train.log``: the metrics log (``metrics.jsonl``, see :mod:`olmoflow.train.metrics`):
+    a line every ``interval`` steps, per-layer/per-head metrics every ``detailed_interval`` steps
+    (0: off), and extra writers ``loggers`` (``tensorboard``, ``wandb`` offline)."""
+
+    interval: int = 10
+    detailed_interval: int = 0
+    loggers: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        p = "train.log"
+        _check_non_negative(self, p, ("interval", "detailed_interval"), " (0: off)")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise unknown_name_error(f"{p}.loggers entry", name, LOGGERS)
+
+
+# Old flat ``train.<key>`` -> its place now (a dotted path under ``train``).
+RENAMED = {
+    "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "eps": "optimizer.eps",
+    "skip_step_sigma": "optimizer.skip_step_sigma",
+    "skip_step_window": "optimizer.skip_step_window", "muon_lr": "optimizer.muon_lr",
+    "muon_momentum": "optimizer.muon_momentum",
+    "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
+    "save_interval": "checkpoint.save_interval", "keep_every": "checkpoint.keep_every",
+    "keep_last": "checkpoint.keep_last", "stage": "checkpoint.stage",
+    "resume_from": "checkpoint.resume_from", "data_parallel": "parallel.data_parallel",
+    "log_interval": "log.interval", "detailed_log_interval": "log.detailed_interval",
+    "loggers": "log.loggers", "grad_clip": "max_grad_norm", "batch_size": "global_batch_size",
+}
+# A string where a section is now (``train.optimizer: muon``) names its type.
+SECTION_TYPES = {"optimizer": "optimizer.type", "schedule": "schedule.type"}
 
 
 @dataclass
 class TrainConfig:
-    """Pretraining: batch sizes in instances of ``sequence_length`` tokens; lr schedule in steps."""
+    """Training: batch sizes in instances of ``sequence_length`` tokens, lengths in optimizer steps.
+
+    One optimizer step takes a global batch of ``global_batch_size`` instances in micro-batches of
+    ``micro_batch_size`` per process (``auto_micro_batch`` finds the largest that fits, within
+    ``memory_budget_gb`` on CPU). ``max_grad_norm`` clips the global gradient norm (0: off).
+    ``precision``: ``auto`` (bf16 autocast on GPU, fp32 on CPU) | ``fp32`` | ``bf16``.
+    ``activation_checkpointing`` recomputes every n-th block in backward (0: off); ``compile``
+    compiles each block. ``packing``: ``concat`` (chunk the token stream) | ``best_fit`` (whole
+    documents); ``intra_document_masking`` keeps attention inside documents. ``data``: token
+    directories to train on instead of the run's own ``tokens/`` (empty: the run's own).
+    """
 
     sequence_length: int = 256
     global_batch_size: int = 16
     micro_batch_size: int = 16
     max_steps: int = 1000
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    save_interval: int = 500
-    log_interval: int = 10
+    max_grad_norm: float = 1.0
+    precision: str = "auto"
+    activation_checkpointing: int = 0
+    compile: bool = False
+    auto_micro_batch: bool = False
+    memory_budget_gb: float | None = None
+    packing: str = "concat"
+    intra_document_masking: bool = False
     num_threads: int | None = None
-    resume_from: str | None = None
-    # --- checkpoints (issue 4.1): OLMo names "{stage}-step{N}-tokens{T}", checkpoints.csv, pruning
-    stage: str = "stage1"
-    keep_every: int = 0            # keep checkpoints whose step is a multiple of this forever (0: off)
-    keep_last: int = 0             # keep only the newest K of the others (0: keep all)
-    # --- optimizer and precision (issue 4.3)
-    optimizer: str = "adamw"       # adamw | skip_step_adamw | muon
-    skip_step_sigma: float = 6.0   # skip_step_adamw: skip when loss or grad norm > mean + sigma * std
-    skip_step_window: int = 128    # ... over this many recent steps
-    muon_lr: float = 0.02          # muon: lr of the 2-D hidden matrices (AdamW keeps train.lr)
-    muon_momentum: float = 0.95
-    precision: str = "auto"        # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: int = 0  # recompute every n-th block in backward (1: every block; 0: off)
-    compile: bool = False          # torch.compile each transformer block (one-off compile time)
-    # --- scale-out and batching (issue 4.4, 4.5)
-    data_parallel: str = "ddp"     # under torchrun: ddp | fsdp (FSDP2 fully_shard)
-    auto_micro_batch: bool = False  # find the largest micro-batch that fits, keep global batch
-    memory_budget_gb: float | None = None  # CPU budget for the micro-batch finder (default: free RAM)
-    # --- data loading (issue 4.2)
-    packing: str = "concat"        # concat (chunk the token stream) | best_fit (whole documents)
-    intra_document_masking: bool = False  # attention does not cross document boundaries
-    # --- training log (issue 4.6)
-    detailed_log_interval: int = 0  # every n steps also log per-layer/per-head metrics (0: off)
-    loggers: list[str] = field(default_factory=list)  # extra writers: tensorboard, wandb (offline)
+    data: list[str] = field(default_factory=list)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """Move the old flat keys (``lr``, ``save_interval``, ``schedule: cosine``, ``beta1``, ...)
+        to their nested places, noting each rename once; a flat key wins over the nested one (it
+        was given later, e.g. as an override of a nested preset). ``batch_size`` (OLMo's
+        finetuning form) is the global batch; without a ``micro_batch_size`` it is one
+        micro-batch too."""
+        if "batch_size" in data and "micro_batch_size" not in data:
+            data["micro_batch_size"] = data["batch_size"]
+        for key, where in SECTION_TYPES.items():
+            if key in data and not isinstance(data[key], dict):
+                note_renamed(f"{prefix}{key}", f"{prefix}{where}")
+                _put(data, where, data.pop(key))
+        for key, where in RENAMED.items():
+            if key in data:
+                note_renamed(f"{prefix}{key}", f"{prefix}{where}")
+                _put(data, where, data.pop(key))
+        for i, key in enumerate(("beta1", "beta2")):
+            if key in data:
+                note_renamed(f"{prefix}{key}", f"{prefix}optimizer.betas")
+                opt = _section(data, "optimizer")
+                betas = list(opt.get("betas", OptimizerConfig().betas))
+                if len(betas) == 2:
+                    betas[i] = data.pop(key)
+                opt["betas"] = betas
+        return data
 
     def __post_init__(self) -> None:
-        from olmoflow.train.schedule import SCHEDULES
-
-        if self.schedule not in SCHEDULES:
-            raise unknown_name_error("train.schedule", self.schedule, SCHEDULES)
+        p = "train"
+        _check_finite(self, p)
         if self.sequence_length < 1 or self.global_batch_size < 1 or self.micro_batch_size < 1:
-            raise OlmoflowError("train.sequence_length, global_batch_size and micro_batch_size must be >= 1")
+            raise OlmoflowError(f"{p}.sequence_length, global_batch_size and micro_batch_size "
+                                "must be >= 1")
         if self.max_steps < 1:
-            raise OlmoflowError(f"train.max_steps must be >= 1, got {self.max_steps}")
+            raise OlmoflowError(f"{p}.max_steps must be >= 1, got {self.max_steps}")
         if self.global_batch_size % self.micro_batch_size:
-            raise OlmoflowError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                                f"train.micro_batch_size={self.micro_batch_size}")
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise OlmoflowError("train.lr must be > 0 and train.warmup_steps >= 0")
+            raise OlmoflowError(f"{p}.global_batch_size={self.global_batch_size} is not a multiple "
+                                f"of {p}.micro_batch_size={self.micro_batch_size}")
+        _check_non_negative(self, p, ("max_grad_norm",), " (0: off)")
+        _check_non_negative(self, p, ("activation_checkpointing",))
+        if self.num_threads is not None and self.num_threads < 0:
+            raise OlmoflowError(f"{p}.num_threads must be >= 1 (or 0/null: one share of the "
+                                f"cores), got {self.num_threads}")
+        if self.precision not in PRECISIONS:
+            raise unknown_name_error(f"{p}.precision", self.precision, PRECISIONS)
+        for key in ("compile", "auto_micro_batch", "intra_document_masking"):
+            if not isinstance(getattr(self, key), bool):
+                raise OlmoflowError(f"{p}.{key} must be true or false, got "
+                                    f"{getattr(self, key)!r}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise OlmoflowError(f"{p}.memory_budget_gb must be > 0 GB (or null: available RAM), "
+                                f"got {self.memory_budget_gb}")
+        # data.packing needs no trainer module; imported here because data/ owns the names.
         from olmoflow.data.packing import PACKINGS
 
         if self.packing not in PACKINGS:
-            raise unknown_name_error("train.packing", self.packing, PACKINGS)
-        if not isinstance(self.intra_document_masking, bool):
-            raise OlmoflowError("train.intra_document_masking must be true or false, got "
-                                f"{self.intra_document_masking!r}")
-        self._check_engine()
-        self._check_log()
-        self._check_scale_out()
-        self._check_numbers()
+            raise unknown_name_error(f"{p}.packing", self.packing, PACKINGS)
 
-    def _check_numbers(self) -> None:
-        """Ranges of the loop and AdamW numbers; NaN and infinity are never valid."""
-        import math
 
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise OlmoflowError(f"train.{f.name} must be a finite number, got {v}")
-        for key in ("save_interval", "log_interval", "weight_decay", "grad_clip"):
-            if getattr(self, key) < 0:
-                raise OlmoflowError(f"train.{key} must be >= 0 (0: off), got {getattr(self, key)}")
-        if self.num_threads is not None and self.num_threads < 0:
-            raise OlmoflowError(f"train.num_threads must be >= 1 (or 0/null: one share of the "
-                                f"cores), got {self.num_threads}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise OlmoflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise OlmoflowError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.eps <= 0:
-            raise OlmoflowError(f"train.eps must be > 0, got {self.eps}")
-        if self.skip_step_window < 2:  # the spike test needs a mean and a std of >= 2 earlier steps
-            raise OlmoflowError(f"train.skip_step_window must be >= 2 steps, got {self.skip_step_window}")
+def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The raw mapping of sub-section ``name`` (a copy, so a shared preset tree is not changed)."""
+    sub = data.get(name)
+    sub = dict(sub) if isinstance(sub, dict) else {}
+    data[name] = sub
+    return sub
 
-    def _check_scale_out(self) -> None:
-        """Scale-out and the micro-batch finder (issue 4.4, 4.5)."""
-        from olmoflow.train.distributed import DATA_PARALLEL
 
-        if self.data_parallel not in DATA_PARALLEL:
-            raise unknown_name_error("train.data_parallel", self.data_parallel, DATA_PARALLEL)
-        if not isinstance(self.auto_micro_batch, bool):
-            raise OlmoflowError(f"train.auto_micro_batch must be true or false, got {self.auto_micro_batch!r}")
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise OlmoflowError(f"train.memory_budget_gb must be > 0 GB (or null: available RAM), "
-                                f"got {self.memory_budget_gb}")
-
-    def _check_log(self) -> None:
-        """The training log (issue 4.6): detailed_log_interval >= 0, known writer names."""
-        from olmoflow.train.loggers import check_loggers
-
-        if self.detailed_log_interval < 0:
-            raise OlmoflowError(f"train.detailed_log_interval must be >= 0 (0: off), got "
-                                f"{self.detailed_log_interval}")
-        check_loggers(self.loggers)
-
-    def _check_engine(self) -> None:
-        """Checkpoint policy, optimizer, precision and activation checkpointing (issue 4.1, 4.3)."""
-        import re
-
-        from olmoflow.train.optim import OPTIMIZERS
-
-        if self.optimizer not in OPTIMIZERS:
-            raise unknown_name_error("train.optimizer", self.optimizer, OPTIMIZERS)
-        if self.precision not in PRECISIONS:
-            raise unknown_name_error("train.precision", self.precision, PRECISIONS)
-        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.stage):
-            raise OlmoflowError(f"train.stage '{self.stage}' must be letters, digits, '_', '.' or "
-                                "'-' (it names checkpoint directories, e.g. stage1)")
-        for key in ("keep_every", "keep_last", "activation_checkpointing"):
-            if getattr(self, key) < 0:
-                raise OlmoflowError(f"train.{key} must be >= 0, got {getattr(self, key)}")
-        if self.skip_step_sigma <= 0 or self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:
-            raise OlmoflowError("train.skip_step_sigma and train.muon_lr must be > 0 and "
-                                "train.muon_momentum in [0, 1)")
+def _put(data: dict[str, Any], where: str, value: Any) -> None:
+    """Set the dotted key ``where`` (``optimizer.lr`` or ``max_grad_norm``) in the raw mapping."""
+    if "." in where:
+        section, key = where.split(".", 1)
+        _section(data, section)[key] = value
+    else:
+        data[where] = value

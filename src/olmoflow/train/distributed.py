@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from olmoflow.errors import OlmoflowError
+from olmoflow.train.config import DATA_PARALLEL
 
-DATA_PARALLEL = ("ddp", "fsdp")
 # Rank 0 may do minutes of single-process work (a data stage, a checkpoint hash) while the others
 # wait at a barrier; NCCL's 10-minute default would kill such a run.
 TIMEOUT_ENV = "OLMOFLOW_DIST_TIMEOUT_MIN"
@@ -109,9 +109,11 @@ def init_from_env() -> DistInfo:
     world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
         return current()
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
     if missing:
-        raise OlmoflowError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun")
+        raise OlmoflowError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with "
+                            "torchrun")
     local_rank = _env_int("LOCAL_RANK", 0)
     timeout = timedelta(minutes=_env_int(TIMEOUT_ENV, DEFAULT_TIMEOUT_MIN))
     if torch.cuda.is_available():
@@ -245,7 +247,7 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
     if data_parallel not in DATA_PARALLEL:
         from olmoflow.errors import unknown_name_error
 
-        raise unknown_name_error("train.data_parallel", data_parallel, DATA_PARALLEL)
+        raise unknown_name_error("train.parallel.data_parallel", data_parallel, DATA_PARALLEL)
     meta = any(p.is_meta for p in model.parameters())
     if meta and (info.world_size == 1 or data_parallel == "ddp"):
         # Nothing to shard: the whole model is allocated (DDP broadcasts rank 0's values).

@@ -1,6 +1,6 @@
 """Where the training log goes: the JSONL file (always), TensorBoard and Weights & Biases (options).
 
-``train.loggers`` lists the extra writers:
+``train.log.loggers`` lists the extra writers:
 
 - ``tensorboard``: event files under ``save_folder/tensorboard/`` through
   :class:`torch.utils.tensorboard.SummaryWriter` (``tensorboard --logdir save_folder/tensorboard``).
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import yaml
 
 from olmoflow.errors import OlmoflowError, unknown_name_error
+from olmoflow.train.config import LOGGERS
 
-LOGGERS = ("tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
@@ -60,7 +60,8 @@ class JsonlWriter:
 
 class TensorBoardWriter:
     """TensorBoard event files in ``folder``. ``purge_step``: on resume, events a previous run
-    wrote at steps >= this are hidden (TensorBoard's own mechanism), so curves do not double back."""
+    wrote at steps >= this are hidden (TensorBoard's own mechanism), so curves do not double
+    back."""
 
     def __init__(self, folder: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -122,7 +123,7 @@ def check_loggers(names: list[str]) -> None:
     """Raise :class:`OlmoflowError` for an unknown writer name (closest valid one suggested)."""
     for name in names:
         if name not in LOGGERS:
-            raise unknown_name_error("train.loggers entry", name, LOGGERS)
+            raise unknown_name_error("train.log.loggers entry", name, LOGGERS)
 
 
 def open_writers(save_folder: Path, metrics_file: str, loggers: list[str], config_yaml: str = "",
@@ -137,8 +138,8 @@ def open_writers(save_folder: Path, metrics_file: str, loggers: list[str], confi
     check_loggers(loggers)
     for name in loggers:
         if importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise OlmoflowError(f"train.loggers includes '{name}' but the {_PACKAGES[name]} package "
-                                "is not installed: pip install 'olmoflow[loggers]'")
+            raise OlmoflowError(f"train.log.loggers includes '{name}' but the {_PACKAGES[name]} "
+                                "package is not installed: pip install 'olmoflow[loggers]'")
     save_folder = Path(save_folder)
     writers: list[MetricWriter] = [JsonlWriter(save_folder / metrics_file)]
     try:

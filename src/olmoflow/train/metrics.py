@@ -1,6 +1,6 @@
 """The detailed training log: what the model, the optimizer and the machine did on a step.
 
-:class:`TrainingMetrics` is called by the trainer around every ``detailed_log_interval``-th
+:class:`TrainingMetrics` is called by the trainer around every ``train.log.detailed_interval``-th
 optimizer step (``start_step`` before the first micro-batch, ``after_backward`` after the last
 backward and before gradient clipping, ``end_step`` after the optimizer step) and returns one flat
 dict whose keys name the quantity and where it was measured:
@@ -145,7 +145,8 @@ class TrainingMetrics:
     """
 
     def __init__(self, model: nn.Module, interval: int, *, peak_flops: float | None = None,
-                 peak_dtype: torch.dtype | None = None, probe_rows: int = 2, probe_tokens: int = 512):
+                 peak_dtype: torch.dtype | None = None, probe_rows: int = 2,
+                 probe_tokens: int = 512):
         if interval < 1:
             raise ValueError(f"TrainingMetrics interval must be >= 1, got {interval}")
         self.model, self.interval = model, interval
@@ -188,7 +189,8 @@ class TrainingMetrics:
         self._overhead = self._t_start - t0
 
     def after_backward(self) -> None:
-        """After the last backward, before clipping: per-tensor norms of the accumulated gradients."""
+        """After the last backward, before clipping: per-tensor norms of the accumulated
+        gradients."""
         if not self._active:
             return
         t0 = time.perf_counter()

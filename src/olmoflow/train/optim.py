@@ -8,7 +8,7 @@
 
 Weight decay follows OLMo 2: on linear weights, not on embeddings or norm weights.
 The trainer sets every group's ``lr`` from the schedule each step (:func:`set_lr`): peak
-``train.lr``, or ``train.muon_lr`` for Muon's groups (tagged ``muon: True``).
+``train.optimizer.lr``, or ``train.optimizer.muon_lr`` for Muon's groups (tagged ``muon: True``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from olmoflow.errors import OlmoflowError
+from olmoflow.train.config import OPTIMIZERS, OptimizerConfig, TrainConfig
 from olmoflow.train.schedule import lr_at
 
-OPTIMIZERS = ("adamw", "skip_step_adamw", "muon")
+__all__ = ["OPTIMIZERS", "OptimizerList", "SkipStepAdamW", "build_optimizer", "muon_params",
+           "param_groups", "set_lr"]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -37,8 +39,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _adamw(cls, groups, cfg, **extra) -> torch.optim.AdamW:
-    kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
+def _adamw(cls, groups, cfg: OptimizerConfig, **extra) -> torch.optim.AdamW:
+    beta1, beta2 = cfg.betas
+    kw = dict(lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps, **extra)
     try:
         return cls(groups, fused=True, **kw)
     except (RuntimeError, TypeError):  # no fused kernel for this device/dtype
@@ -133,22 +136,23 @@ def muon_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             and name.rsplit(".", 1)[-1] != "lm_head" and id(m.weight) not in embedding_ids]
 
 
-def build_optimizer(model: torch.nn.Module, cfg):
-    """The optimizer ``cfg.optimizer`` names (a :class:`~olmoflow.train.config.TrainConfig`).
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig):
+    """The optimizer ``cfg.type`` names (``train.optimizer``, an
+    :class:`~olmoflow.train.config.OptimizerConfig`).
 
     Returns a ``torch.optim.AdamW``, a :class:`SkipStepAdamW`, or for ``muon`` an
     :class:`OptimizerList` of ``[AdamW (embeddings, lm_head, norms), torch.optim.Muon (hidden
-    matrices, lr train.muon_lr, momentum train.muon_momentum, Nesterov, 5 Newton-Schulz steps)]``.
+    matrices, lr ``muon_lr``, momentum ``muon_momentum``, Nesterov, 5 Newton-Schulz steps)]``.
 
     Raises:
         OlmoflowError: ``muon`` on FSDP-sharded parameters.
     """
-    name = getattr(cfg, "optimizer", "adamw")
+    name = cfg.type
     if name == "muon":
         hidden = muon_params(model)
         if any(hasattr(p, "placements") for p in hidden):  # DTensor shards (FSDP2)
             raise OlmoflowError("train.optimizer=muon needs whole matrices (Newton-Schulz), not "
-                                "FSDP shards; use train.data_parallel=ddp")
+                                "FSDP shards; use train.parallel.data_parallel=ddp")
         hidden_ids = {id(p) for p in hidden}
         groups = [{**g, "params": [p for p in g["params"] if id(p) not in hidden_ids]}
                   for g in param_groups(model, cfg.weight_decay)]
@@ -166,14 +170,16 @@ def build_optimizer(model: torch.nn.Module, cfg):
     return optimizer
 
 
-def set_lr(optimizer, step: int, cfg) -> float:
+def set_lr(optimizer, step: int, cfg: TrainConfig) -> float:
     """Set every group's lr to the schedule's value at ``step`` (0-based) and return the lr of the
-    ``train.lr`` groups (what the metrics log as ``lr``); Muon's groups peak at ``train.muon_lr``."""
-    kw = dict(warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-              min_lr_ratio=cfg.min_lr_ratio, schedule=cfg.schedule)
-    lr, muon_lr = lr_at(step, lr=cfg.lr, **kw), None
+    ``train.optimizer.lr`` groups (what the metrics log as ``lr``); Muon's groups peak at
+    ``train.optimizer.muon_lr``."""
+    s, o = cfg.schedule, cfg.optimizer
+    kw = {"warmup_steps": s.warmup_steps, "max_steps": cfg.max_steps,
+          "min_lr_ratio": s.min_lr_ratio, "schedule": s.type}
+    lr, muon_lr = lr_at(step, lr=o.lr, **kw), None
     for g in optimizer.param_groups:
         if g.get("muon"):
-            muon_lr = muon_lr if muon_lr is not None else lr_at(step, lr=cfg.muon_lr, **kw)
+            muon_lr = muon_lr if muon_lr is not None else lr_at(step, lr=o.muon_lr, **kw)
         g["lr"] = muon_lr if g.get("muon") else lr
     return lr

@@ -79,7 +79,8 @@ def block_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> int:
 
 
 def checkpointed_blocks(n_layers: int, every: int) -> int:
-    """How many blocks ``activation_checkpointing=every`` recomputes (blocks 0, every, 2 every...)."""
+    """How many blocks ``activation_checkpointing=every`` recomputes (blocks 0, every,
+    2 every, ...)."""
     return 0 if every <= 0 else len(range(0, n_layers, every))
 
 
@@ -108,7 +109,8 @@ def attention_mask_bytes(cfg: ModelConfig, sequence_length: int) -> int:
 def saved_activation_bytes(cfg: ModelConfig, micro_batch_size: int, sequence_length: int,
                            act_bytes: int = 4) -> int:
     """Bytes of the tensors autograd saves in one forward (no checkpointing): blocks, the
-    ``3 d`` outside them and the fp32 log-softmax ``V``, for ``[micro_batch_size, sequence_length]``.
+    ``3 d`` outside them and the fp32 log-softmax ``V``, for
+    ``[micro_batch_size, sequence_length]``.
     What ``saved_tensors_hooks`` sees; the plan adds the logits kept by the caller on top."""
     per_token = (cfg.n_layers * block_bytes_per_token(cfg, act_bytes)
                  + OUTSIDE_BYTES_PER_D * cfg.d_model + LOSS_BYTES_PER_TOKEN + 4 * cfg.vocab_size)
@@ -164,7 +166,8 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: ModelConfig, *, world_size: int, data_parallel: str, micro_batch_size: int,
-                sequence_length: int, precision: str = "bf16", checkpointing: int = 1) -> MemoryPlan:
+                sequence_length: int, precision: str = "bf16",
+                checkpointing: int = 1) -> MemoryPlan:
     """The :class:`MemoryPlan` per GPU (see the module docstring for every closed form).
 
     Args:
@@ -177,7 +180,7 @@ def memory_plan(cfg: ModelConfig, *, world_size: int, data_parallel: str, micro_
     Raises:
         OlmoflowError: a non-positive size, an unknown ``data_parallel`` or ``precision``.
     """
-    from olmoflow.train.distributed import DATA_PARALLEL
+    from olmoflow.train.config import DATA_PARALLEL
 
     if data_parallel not in DATA_PARALLEL:
         from olmoflow.errors import unknown_name_error
@@ -238,7 +241,8 @@ def format_plans(plans: list[MemoryPlan], gpu_memory_gb: float, title: str = "")
          ["yes" if p.total(False) <= gpu else "no" for p in plans]),
         (f"fits {gpu_memory_gb:g} GB, checkpointing",
          ["yes" if p.total(True) <= gpu else "no" for p in plans]),
-        ("largest micro-batch that fits, no ckpt", [str(p.max_micro_batch(gpu, False)) for p in plans]),
+        ("largest micro-batch that fits, no ckpt",
+         [str(p.max_micro_batch(gpu, False)) for p in plans]),
         ("largest micro-batch that fits, ckpt", [str(p.max_micro_batch(gpu, True)) for p in plans]),
     ]
     head = [f"{p.data_parallel.upper()} x{p.world_size} (GB)" for p in plans]

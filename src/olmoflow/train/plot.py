@@ -1,7 +1,7 @@
 """``olmoflow plot RUN``: the training log drawn as PNG files.
 
-Reads ``metrics.jsonl`` (see :mod:`olmoflow.train.metrics` for the keys) and draws, for what the
-log holds:
+Reads a training log, ``metrics.jsonl`` (see :mod:`olmoflow.train.metrics` for the keys), and
+draws, for what the log holds:
 
 - ``loss.png``: loss and cross-entropy, and z-loss below;
 - ``lr.png``: the learning rate;
@@ -30,9 +30,9 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from olmoflow.artifacts import atomic_open
 from olmoflow.errors import OlmoflowError
+from olmoflow.run_dir import TRAINING_LOG, RunDir
 from olmoflow.train.loggers import read_log
 
-METRICS = "metrics.jsonl"
 HEATMAPS = {  # key prefix -> (title, log colour scale)
     "grad_norm": ("gradient norm per layer (before clipping)", True),
     "update_ratio": ("update-to-weight ratio ||dw|| / ||w|| per layer", True),
@@ -42,18 +42,26 @@ HEATMAPS = {  # key prefix -> (title, log colour scale)
 
 
 def find_log(path: str | Path) -> Path:
-    """The metrics log of ``path``: the file itself, ``path/metrics.jsonl`` (a pretrain directory)
-    or ``path/pretrain/metrics.jsonl`` (a run directory).
+    """The training log of ``path``: the file itself, ``path/metrics.jsonl`` (a training stage's
+    directory) or the training log of the run directory ``path`` (:meth:`RunDir.training_log`).
 
     Raises:
         OlmoflowError: none of these exists.
     """
     p = Path(path)
-    for cand in (p, p / METRICS, p / "pretrain" / METRICS):
+    for cand in (p, p / TRAINING_LOG, RunDir(p).training_log()):
         if cand.is_file():
             return cand
+    where = RunDir(p).training_log().relative_to(p)
     raise OlmoflowError(f"no training log at '{path}': expected a run directory (with "
-                        f"pretrain/{METRICS}), a pretrain directory or a {METRICS} file")
+                        f"{where.as_posix()}), a training stage's directory or a {TRAINING_LOG} "
+                        "file")
+
+
+def _run_name(log: Path) -> str:
+    """The name of the run whose default training stage wrote ``log`` ("" when it is none)."""
+    run = log.parent.parent
+    return run.name if RunDir(run).training_log() == log else ""
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -63,7 +71,8 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def matrix(records: list[dict[str, Any]], prefix: str, pattern: str) -> tuple[list[int], list[str], list[list[float]]]:
+def matrix(records: list[dict[str, Any]], prefix: str,
+           pattern: str) -> tuple[list[int], list[str], list[list[float]]]:
     """A rows x steps table of the keys ``prefix/<row>`` whose ``<row>`` matches ``pattern``.
 
     Rows are sorted by the numbers in their names (``layer.2`` before ``layer.10``); columns are
@@ -153,7 +162,8 @@ def figures(records: list[dict[str, Any]], title: str = "") -> dict[str, Figure]
                     key=lambda k: int(k.rsplit(".", 1)[1]))
     if len(layers) > 8:  # a line per layer stops being readable; heatmap_grad_norm.png shows them
         layers = []
-    if not _lines(axes[0], records, ["grad_norm"] + layers, "gradient norm (before clipping)", log=True):
+    if not _lines(axes[0], records, ["grad_norm"] + layers, "gradient norm (before clipping)",
+                  log=True):
         del out["grad_norm.png"]
     axes[-1].set_xlabel("step")
 
@@ -202,7 +212,7 @@ def plot_run(path: str | Path, out: str | Path | None = None) -> list[Path]:
     """
     log = find_log(path)
     records = [r for r in read_log(log) if isinstance(r.get("step"), int)]
-    figs = figures(records, title=log.parent.parent.name if log.parent.name == "pretrain" else "")
+    figs = figures(records, title=_run_name(log))
     if not figs:
         raise OlmoflowError(f"{log}: no training metrics to plot ({len(records)} records)")
     out_dir = Path(out) if out is not None else log.parent / "plots"

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 
 from olmoflow.errors import OlmoflowError
+from olmoflow.train.config import SCHEDULES
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+__all__ = ["SCHEDULES", "lr_at"]
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1,
@@ -23,7 +24,8 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr_rat
         OlmoflowError: unknown schedule name.
     """
     if schedule not in SCHEDULES:
-        raise OlmoflowError(f"unknown train.schedule '{schedule}'; valid: {', '.join(SCHEDULES)}")
+        raise OlmoflowError(f"unknown train.schedule.type '{schedule}'; valid: "
+                            f"{', '.join(SCHEDULES)}")
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":

@@ -1,6 +1,9 @@
-"""The pretraining loop: gradient accumulation normalised over the whole global batch, bf16
+"""The training loop: gradient accumulation normalised over the whole global batch, bf16
 autocast, activation checkpointing, gradient clipping, the optimizer ``train.optimizer`` names
-(:mod:`olmoflow.train.optim`), OLMo-named checkpoints with exact resume, and a JSONL metrics log.
+(:mod:`olmoflow.train.optim`), OLMo-named checkpoints with exact resume, a JSONL metrics log and
+in-loop callbacks (:mod:`olmoflow.train.callbacks`). What is optimised (the batch fields, the
+normaliser, the loss) is an objective (:mod:`olmoflow.train.objectives`; language modelling by
+default), so post-training objectives reuse this loop.
 """
 
 from __future__ import annotations
@@ -10,20 +13,22 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from olmoflow.artifacts import atomic_write_text
 from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
-from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.train import distributed
+from olmoflow.train.callbacks import Callback
 from olmoflow.train.checkpoint import (
     LATEST,
     check_save_folder,
@@ -32,63 +37,72 @@ from olmoflow.train.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from olmoflow.train.config import TrainConfig
 from olmoflow.train.loggers import MetricWriters, open_writers
 from olmoflow.train.metrics import TrainingMetrics
+from olmoflow.train.objectives import LMObjective, Objective, check_plain
 from olmoflow.train.optim import SkipStepAdamW, build_optimizer, set_lr
+from olmoflow.train.precision import autocast_dtype
 from olmoflow.train.schedule import lr_at
+
+__all__ = ["METRICS", "Trainer", "autocast_dtype", "build_optimizer"]
 
 METRICS = "metrics.jsonl"
 log = logging.getLogger(__name__)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of ``train.precision`` on ``device``: ``bf16`` -> bfloat16; ``auto`` ->
-    bfloat16 on CUDA, none (fp32) elsewhere; ``fp32`` -> none. Weights stay fp32 either way."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
 class Trainer:
-    """Trains ``model`` on ``loader`` for ``cfg.max_steps`` optimizer steps.
+    """Trains ``model`` on ``loader`` for ``cfg.max_steps`` optimizer steps of ``objective``.
 
-    One step consumes one global batch (``cfg.global_batch_size`` instances) in micro-batches of
-    ``cfg.micro_batch_size``; every micro-batch loss is divided by the global batch's target-token
-    count, so accumulation gives the gradient of one big batch. Checkpoints
+    One step consumes one global batch (``cfg.global_batch_size`` instances, whatever the loader's
+    ``next_batch()`` returns, made a dict of ``[B, ...]`` tensors by ``objective.prepare``) in
+    micro-batches of ``cfg.micro_batch_size`` per process; every micro-batch loss is divided by
+    the objective's global-batch normaliser (for :class:`LMObjective`, the target-token count), so
+    accumulation gives the gradient of one big batch. Checkpoints
     (``save_folder/{stage}-step{N}-tokens{T}``, see :mod:`olmoflow.train.checkpoint`) are written
-    every ``cfg.save_interval`` steps and at the end, and pruned by ``keep_every``/``keep_last``.
+    every ``cfg.checkpoint.save_interval`` steps and at the end, pruned by ``keep_every`` /
+    ``keep_last``, and hold the objective's state. ``callbacks`` run every ``interval`` steps and
+    log ``eval/...`` metrics.
 
     Raises:
-        OlmoflowError: ``activation_checkpointing`` for a model that does not support it.
+        OlmoflowError: ``activation_checkpointing`` or ``compile`` for a model that does not
+            support it.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg, loader: DataLoader, save_folder: Path,
-                 config_yaml: str = "", progress: bool = True):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, loader: DataLoader,
+                 save_folder: Path, config_yaml: str = "", progress: bool = True,
+                 objective: Objective | None = None, callbacks: list[Callback] | tuple = ()):
         # cfg is a TrainConfig, which already checked its values.
         self.model, self.cfg, self.loader = model, cfg, loader
+        self.objective = objective if objective is not None else LMObjective()
+        self.callbacks = list(callbacks)
         self.save_folder = Path(save_folder)
         self.config_yaml, self.progress = config_yaml, progress
-        # Under torchrun: join the process group and wrap for DDP/FSDP2 (train.data_parallel)
+        # Under torchrun: join the process group and wrap for DDP/FSDP2 (train.parallel)
         # before the optimizer sees the parameters, which fully_shard replaces by DTensor shards.
         self.dist = distributed.init_from_env()
         self.per_rank_batch = distributed.per_rank_batch(
             cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dist)
-        self.micro_batch_size = cfg.micro_batch_size  # train.auto_micro_batch may change it in fit()
+        # train.auto_micro_batch may change it in fit()
+        self.micro_batch_size = cfg.micro_batch_size
         if cfg.compile:  # per block, as torchtitan: before FSDP wraps them; keeps state-dict keys
             blocks = getattr(model, "blocks", None)
             if blocks is None:
-                raise OlmoflowError(f"train.compile needs an olmoflow Olmo model, got {type(model).__name__}")
+                raise OlmoflowError("train.compile needs an olmoflow Olmo model, got "
+                                    f"{type(model).__name__}")
             for block in blocks:
                 block.compile()
-        self.model = model = distributed.parallelize(model, cfg.data_parallel, self.dist)
-        self.optimizer = build_optimizer(model, cfg)
+        self.model = model = distributed.parallelize(model, cfg.parallel.data_parallel, self.dist)
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.step, self.tokens_seen = 0, 0
         self.last_loss: float | None = None
         # The detailed log (olmoflow.train.metrics): None when off, so steps pay nothing for it.
-        self.metrics = (TrainingMetrics(model, cfg.detailed_log_interval, peak_dtype=autocast_dtype(
-            cfg.precision, next(model.parameters()).device)) if cfg.detailed_log_interval else None)
+        detailed = cfg.log.detailed_interval
+        self.metrics = (TrainingMetrics(model, detailed, peak_dtype=autocast_dtype(
+            cfg.precision, next(model.parameters()).device)) if detailed else None)
         self.data_state: dict | None = None  # Batch.state of the last batch trained on
-        self.saved: tuple[int, Path] | None = None  # (step, dir) of the last checkpoint saved or loaded
+        # (step, dir) of the last checkpoint saved or loaded
+        self.saved: tuple[int, Path] | None = None
         inner = getattr(model, "module", model)  # a DDP wrapper holds the model as .module
         if cfg.activation_checkpointing:
             if not hasattr(inner, "activation_checkpointing"):
@@ -97,30 +111,40 @@ class Trainer:
             inner.activation_checkpointing = cfg.activation_checkpointing
 
     def lr(self, step: int) -> float:
-        """The ``train.lr`` schedule's value at optimizer step ``step`` (0-based)."""
-        c = self.cfg
-        return lr_at(step, lr=c.lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps,
-                     min_lr_ratio=c.min_lr_ratio, schedule=c.schedule)
+        """The ``train.schedule`` value at optimizer step ``step`` (0-based), peak
+        ``train.optimizer.lr``."""
+        c, s = self.cfg, self.cfg.schedule
+        return lr_at(step, lr=c.optimizer.lr, warmup_steps=s.warmup_steps, max_steps=c.max_steps,
+                     min_lr_ratio=s.min_lr_ratio, schedule=s.type)
 
     def _schedule_state(self) -> dict[str, Any]:
-        c = self.cfg
-        return {"schedule": c.schedule, "lr": c.lr, "muon_lr": c.muon_lr,
-                "warmup_steps": c.warmup_steps, "max_steps": c.max_steps,
-                "min_lr_ratio": c.min_lr_ratio}
+        # Key names as in checkpoints written before the config was nested, so they compare equal.
+        c, s = self.cfg, self.cfg.schedule
+        return {"schedule": s.type, "lr": c.optimizer.lr, "muon_lr": c.optimizer.muon_lr,
+                "warmup_steps": s.warmup_steps, "max_steps": c.max_steps,
+                "min_lr_ratio": s.min_lr_ratio}
 
     def state(self) -> dict[str, Any]:
         """The trainer state a checkpoint holds besides model and optimizer tensors (RNG states are
-        added by :func:`save_checkpoint`)."""
+        added by :func:`save_checkpoint`).
+
+        Raises:
+            OlmoflowError: the objective's state is not plain data.
+        """
+        objective = self.objective.state_dict()
+        check_plain(objective, f"objective '{self.objective.name}' state")
         state = {"step": self.step, "tokens_seen": self.tokens_seen,
                  "data_loader": self.data_state or self.loader.state_dict(),
                  "scheduler": {**self._schedule_state(), "step": self.step},
-                 "optimizer": {"name": self.cfg.optimizer}}
+                 "optimizer": {"name": self.cfg.optimizer.type},
+                 "objective": {"name": self.objective.name, "state": objective}}
         if isinstance(self.optimizer, SkipStepAdamW):
             state["optimizer"]["skip_step_history"] = self.optimizer.history_state()
         return state
 
     def save(self) -> Path:
-        c = self.cfg
+        """Write a checkpoint of this step (collective under torchrun); returns its directory."""
+        c = self.cfg.checkpoint
         path = save_checkpoint(self.save_folder, self.step, self.model, self.optimizer,
                                self.state(), self.config_yaml, stage=c.stage, loss=self.last_loss,
                                keep_every=c.keep_every, keep_last=c.keep_last)
@@ -142,18 +166,26 @@ class Trainer:
         return self.save()
 
     def resume(self, resume_from: str) -> Path:
-        """Restore model, optimizer, RNG, step, data position and skip-step history; trim the
-        metrics log to the checkpoint's step. Returns the checkpoint directory.
+        """Restore model, optimizer, RNG, step, data position, skip-step history and the
+        objective's state; trim the metrics log to the checkpoint's step. Returns the checkpoint
+        directory.
 
         Raises:
-            OlmoflowError: no such checkpoint, or it was saved with another ``train.optimizer``.
+            OlmoflowError: no such checkpoint, or it was saved with another
+                ``train.optimizer.type`` or another objective.
         """
         path = resolve_checkpoint(self.save_folder, resume_from)
-        saved_optimizer = read_trainer_state(path).get("optimizer", {}).get("name", "adamw")
+        saved = read_trainer_state(path)
+        saved_optimizer = saved.get("optimizer", {}).get("name", "adamw")
+        want = self.cfg.optimizer.type
         adam_family = {"adamw", "skip_step_adamw"}  # the same state: switching between them is fine
-        if saved_optimizer != self.cfg.optimizer and {saved_optimizer, self.cfg.optimizer} - adam_family:
-            raise OlmoflowError(f"checkpoint '{path}' was trained with train.optimizer="
-                                f"{saved_optimizer}, not {self.cfg.optimizer}")
+        if saved_optimizer != want and {saved_optimizer, want} - adam_family:
+            raise OlmoflowError(f"checkpoint '{path}' was trained with train.optimizer.type="
+                                f"{saved_optimizer}, not {want}")
+        saved_objective = saved.get("objective", {}).get("name", LMObjective.name)
+        if saved_objective != self.objective.name:
+            raise OlmoflowError(f"checkpoint '{path}' was trained with the '{saved_objective}' "
+                                f"objective, not '{self.objective.name}'")
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["data_loader"])
@@ -161,6 +193,8 @@ class Trainer:
         history = state.get("optimizer", {}).get("skip_step_history")
         if history is not None and isinstance(self.optimizer, SkipStepAdamW):
             self.optimizer.load_history_state(history)
+        if "objective" in state:
+            self.objective.load_state_dict(state["objective"]["state"])
         saved = {k: v for k, v in state.get("scheduler", {}).items() if k != "step"}
         self.saved = (self.step, path)
         if saved and saved != self._schedule_state() and self.dist.is_main:
@@ -173,59 +207,87 @@ class Trainer:
             atomic_write_text(metrics, "".join(ln + "\n" for ln in kept))
         return path
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                   doc_ids: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step on a global batch ``[B, T]``; returns its metrics. ``doc_ids [B, T]``
-        (intra-document masking) keeps attention inside each document.
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One optimizer step on a global batch; returns its metrics.
 
-        ``skipped`` is 1 when a skip-step optimizer dropped the update (loss/grad-norm spike).
+        ``batch`` is what the loader yields (or a dict of ``[B, ...]`` tensors), made a batch by
+        ``objective.prepare``: for language modelling ``input_ids``, ``labels`` and, with
+        intra-document masking, ``doc_ids`` (``[B, T]``). ``skipped`` is 1 when a skip-step
+        optimizer dropped the update (loss/grad-norm spike).
+
+        Raises:
+            OlmoflowError: the batch's fields do not share one leading (batch) dimension.
         """
-        model, cfg = self.model, self.cfg
+        model, cfg, objective = self.model, self.cfg, self.objective
         device = next(model.parameters()).device
         lr = set_lr(self.optimizer, self.step, cfg)
         amp = autocast_dtype(cfg.precision, device)
-        # Each rank takes its slice of the global batch. The normaliser is the GLOBAL target count
-        # divided by world_size, because DDP/FSDP average the ranks' gradients: their sum is then
-        # the gradient of the whole global batch, as in one process (train.distributed).
-        d, global_tokens = self.dist, input_ids.numel()
-        input_ids, labels = distributed.shard_batch(input_ids, d), distributed.shard_batch(labels, d)
-        doc_ids = None if doc_ids is None else distributed.shard_batch(doc_ids, d)
-        n_targets = distributed.all_reduce_sum(int((labels != IGNORE_INDEX).sum()), d)
-        normalizer = n_targets / d.world_size if d.world_size > 1 else n_targets
-        if self.metrics is not None:
-            self.metrics.start_step(self.step + 1, input_ids, doc_ids)
-        ce_total = z_total = 0.0
+        fields = objective.prepare(batch)
+        sizes = {k: v.shape[0] for k, v in fields.items()}
+        if len(set(sizes.values())) != 1:
+            raise OlmoflowError("the fields of a batch must share the batch dimension, got "
+                                f"{sizes}")
+        # Each rank takes its slice of the global batch. The objective's normaliser is global
+        # (all-reduced) and divided by world_size, because DDP/FSDP average the ranks' gradients:
+        # their sum is then the gradient of the whole global batch, as in one process.
+        d, global_tokens = self.dist, objective.num_tokens(fields)
+        fields = {k: distributed.shard_batch(v, d) for k, v in fields.items()}
+        normalizer = objective.normalizer(fields, d)
+        probe = self.metrics if "input_ids" in fields else None
+        if probe is not None:
+            probe.start_step(self.step + 1, fields["input_ids"], fields.get("doc_ids"))
         mbs = self.micro_batch_size
-        n_micro = len(input_ids.split(mbs))
-        mb_docs = doc_ids.split(mbs) if doc_ids is not None else [None] * n_micro
-        for i, (mb_ids, mb_labels, mb_doc) in enumerate(zip(input_ids.split(mbs),
-                                                            labels.split(mbs), mb_docs)):
-            docs = {} if mb_doc is None else {"doc_ids": mb_doc.to(device)}
+        chunks = {k: v.split(mbs) for k, v in fields.items()}
+        n_micro = len(next(iter(chunks.values())))
+        totals: dict[str, float] = {}
+        for i in range(n_micro):
+            micro = {k: c[i].to(device) for k, c in chunks.items()}
             with distributed.gradient_sync(model, i == n_micro - 1):  # DDP: reduce once per step
                 with (torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()):
-                    out = model(mb_ids.to(device), mb_labels.to(device), loss_normalizer=normalizer,
-                                **docs)
-                out.loss.backward()
-            ce_total += out.ce_loss.item()
-            z_total += out.z_loss.item()
-        if self.metrics is not None:
-            self.metrics.after_backward()
-        grad_norm = distributed.to_float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                        cfg.grad_clip or math.inf))
+                    loss, metrics = objective.loss(model, micro, normalizer)
+                loss.backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+        if probe is not None:
+            probe.after_backward()
+        grad_norm = distributed.to_float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.max_grad_norm or math.inf))
         if d.world_size > 1:  # every rank sees the global loss (a skip-step decision is collective)
-            reduced = distributed.all_reduce_mean({"ce": ce_total, "z": z_total}, d)
-            ce_total, z_total = reduced["ce"], reduced["z"]
-        loss = ce_total + z_total
-        skipped = (self.optimizer.observe(loss, grad_norm)
+            totals = distributed.all_reduce_mean(totals, d)
+        m = objective.step_metrics(totals)
+        loss_value = m["loss"]
+        skipped = (self.optimizer.observe(loss_value, grad_norm)
                    if isinstance(self.optimizer, SkipStepAdamW) else False)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += global_tokens
-        self.last_loss = loss
-        detail = self.metrics.end_step(input_ids.numel()) if self.metrics is not None else {}
-        return {"loss": loss, "ce_loss": ce_total, "z_loss": z_total, "grad_norm": grad_norm,
-                "lr": lr, "skipped": int(skipped), **detail}
+        self.last_loss = loss_value
+        detail = probe.end_step(objective.num_tokens(fields)) if probe is not None else {}
+        return {**m, "grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), **detail}
+
+    def run_callbacks(self) -> dict[str, float]:
+        """Run the callbacks due after this step; their metrics as ``eval/<name>``.
+
+        Under ``torch.no_grad`` and saved RNG states (torch, numpy, random), and the model is put
+        back in train mode, so evaluation leaves the training numbers as they were."""
+        due = [cb for cb in self.callbacks if cb.due(self.step)]
+        if not due:
+            return {}
+        device = next(self.model.parameters()).device
+        out: dict[str, float] = {}
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                for cb in due:
+                    for k, v in (cb.on_step(self, self.step) or {}).items():
+                        out[k if k.startswith("eval/") else f"eval/{k}"] = v
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            self.model.train()
+        return out
 
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps``.
@@ -239,15 +301,16 @@ class Trainer:
         check_save_folder(self.save_folder, METRICS)  # fail now, not at the first save
         torch.set_num_threads(cfg.num_threads
                               or max(1, (os.cpu_count() or 1) // self.dist.local_world_size))
-        if cfg.resume_from:
-            self.resume(cfg.resume_from)
+        if cfg.checkpoint.resume_from:
+            self.resume(cfg.checkpoint.resume_from)
         if cfg.auto_micro_batch:
             from olmoflow.train.batch_finder import auto_micro_batch
 
             self.micro_batch_size = auto_micro_batch(self)
         self.model.train()
         self.save_folder.mkdir(parents=True, exist_ok=True)
-        log_file = (open_writers(self.save_folder, METRICS, cfg.loggers, self.config_yaml, self.step)
+        log_file = (open_writers(self.save_folder, METRICS, cfg.log.loggers, self.config_yaml,
+                                 self.step)
                     if self.dist.is_main else MetricWriters([]))  # only rank 0 logs
         # Installed after the writers open: a writer that fails to open leaves Ctrl-C as it was.
         stop = []
@@ -266,13 +329,16 @@ class Trainer:
                 t_data = time.time()
                 batch = self.loader.next_batch()
                 data_s = time.time() - t_data
-                m = self.train_step(batch.input_ids, batch.labels, batch.doc_ids)
-                self.data_state = batch.state
-                window_tokens += batch.input_ids.numel()
+                tokens_before = self.tokens_seen
+                m = self.train_step(batch)
+                self.data_state = getattr(batch, "state", None)
+                window_tokens += self.tokens_seen - tokens_before
                 bar.update(1)
-                logged = cfg.log_interval > 0 and self.step % cfg.log_interval == 0
+                evals = self.run_callbacks()
+                m.update(evals)
+                logged = cfg.log.interval > 0 and self.step % cfg.log.interval == 0
                 detailed = "perf/step_s" in m  # a detailed step is always logged
-                if logged or detailed or self.step == cfg.max_steps:
+                if logged or detailed or evals or self.step == cfg.max_steps:
                     now = time.time()
                     m.update(step=self.step, tokens=self.tokens_seen, epoch=self.loader.epoch,
                              tokens_per_s=window_tokens / max(now - window_t, 1e-9),
@@ -282,7 +348,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
                                     tok_s=f"{m['tokens_per_s']:.0f}")
                     window_t, window_tokens, last = now, 0, m
-                if cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < cfg.max_steps:
+                every = cfg.checkpoint.save_interval
+                if every and self.step % every == 0 and self.step < cfg.max_steps:
                     self.save()
         finally:
             torch.set_num_threads(threads)
@@ -302,4 +369,5 @@ def _install_sigint(handler):
     """Set the SIGINT handler (main thread only) and return the previous one."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+    return signal.signal(signal.SIGINT,
+                         handler if handler is not None else signal.default_int_handler)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from olmoflow.pipeline.stage import Stage
+from olmoflow.pipeline.stage import StageTable
 from olmoflow.pipeline.stages.data import CLEAN, COLLECT, TOKENIZE
 from olmoflow.pipeline.stages.eval import EVALUATE
 from olmoflow.pipeline.stages.infer import GENERATE
@@ -10,5 +10,5 @@ from olmoflow.pipeline.stages.release import RELEASE
 from olmoflow.pipeline.stages.tokenizer import TRAIN_TOKENIZER
 from olmoflow.pipeline.stages.train import PRETRAIN
 
-STAGES: list[Stage] = [COLLECT, CLEAN, TRAIN_TOKENIZER, TOKENIZE, PRETRAIN, EVALUATE, GENERATE, RELEASE]
-BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
+STAGES = StageTable([COLLECT, CLEAN, TRAIN_TOKENIZER, TOKENIZE, PRETRAIN, EVALUATE, GENERATE,
+                     RELEASE])

@@ -9,7 +9,7 @@ from olmoflow.artifacts import MANIFEST, StageResult, sha256_file
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig
 from olmoflow.pipeline.stage import Stage
-from olmoflow.pipeline.stages.common import load_tokenizer, need, stage_dir
+from olmoflow.pipeline.stages.common import need, own_data, stage_dir
 
 
 def run_collect(cfg: RunConfig, progress: bool) -> StageResult:
@@ -27,15 +27,20 @@ def run_clean(cfg: RunConfig, progress: bool) -> StageResult:
 
 def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.data.tokenize import tokenize
+    from olmoflow.tokenizer import tokenizer_class
 
     docs = need(cfg, "clean", "documents.jsonl.gz")
     tok_dir = need(cfg, "train-tokenizer", MANIFEST).parent
+    impl = cfg.tokenizer.implementation
+    # The run's own tokenizer, even when train.data points training at other tokens.
     result = tokenize(cfg.tokenize, docs, tok_dir, stage_dir(cfg, "tokenize"), seed=cfg.seed,
-                      progress=progress, tokenizer=load_tokenizer(cfg))
+                      progress=progress, tokenizer=tokenizer_class(impl).load(tok_dir),
+                      implementation=impl)
     if not result.counts.get("heldout_documents"):
         # Held-out text is chosen by whole documents; fail here, before training, not at evaluate.
         raise OlmoflowError(
-            f"the held-out split is empty: the corpus has {result.counts.get('train_documents', 0)} "
+            "the held-out split is empty: the corpus has "
+            f"{result.counts.get('train_documents', 0)} "
             "document(s) and held-out documents are whole documents; give at least 2 documents "
             "(e.g. a directory of .txt files or a .jsonl file)"
         )
@@ -51,7 +56,8 @@ def run_tokenize(cfg: RunConfig, progress: bool) -> StageResult:
 
 def source_stamp(cfg: RunConfig) -> list[Any]:
     """Identity of the sources: the content hash of every file collect reads (an edit that keeps
-    the size and the modification time still reruns collect), and the Python version for the stdlib."""
+    the size and the modification time still reruns collect), and the Python version for the
+    stdlib."""
     from olmoflow.data.sources import source_files
 
     sources = cfg.collect.sources
@@ -61,10 +67,10 @@ def source_stamp(cfg: RunConfig) -> list[Any]:
 
 COLLECT = Stage("collect", run_collect, ("collect",), (),
                 ("documents", "bytes", "skipped_malformed", "damaged_files"),
-                help="read the sources into Dolma documents", stamp=source_stamp)
+                help="read the sources into Dolma documents", stamp=source_stamp, enabled=own_data)
 CLEAN = Stage("clean", run_clean, ("clean",), ("collect",),
               ("documents", "removed_too_short", "removed_too_long", "removed_duplicate"),
-              help="length filters and exact deduplication")
+              help="length filters and exact deduplication", enabled=own_data)
 TOKENIZE = Stage("tokenize", run_tokenize, ("tokenize", "seed"), ("clean", "train-tokenizer"),
                  ("train_tokens", "heldout_tokens", "train_documents", "heldout_documents"),
-                 help="token arrays and the held-out split")
+                 help="token arrays and the held-out split", enabled=own_data)

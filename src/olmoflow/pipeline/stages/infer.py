@@ -7,7 +7,6 @@ import json
 import torch
 
 from olmoflow.artifacts import StageResult, atomic_write_text
-from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig
 from olmoflow.pipeline.stage import Stage
 from olmoflow.pipeline.stages.common import load_trained_model, model_inputs, stage_dir
@@ -17,15 +16,10 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
     model, tok, ckpt = load_trained_model(cfg)
     g = cfg.generate
     samples = []
-    if g.max_new_tokens < 0:
-        raise OlmoflowError(f"generate.max_new_tokens must be >= 0, got {g.max_new_tokens}")
     for i, prompt in enumerate(g.prompts):
         # An empty prompt starts a fresh document: the model's context is a document boundary.
         ids = torch.tensor([tok.encode(prompt) or [tok.eos_token_id]])
-        out = model.generate(ids, max_new_tokens=g.max_new_tokens, do_sample=g.temperature > 0,
-                             temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                             repetition_penalty=g.repetition_penalty,
-                             eos_token_id=tok.eos_token_id, seed=g.seed + i,
+        out = model.generate(ids, sampling=g.sampling(i), eos_token_id=tok.eos_token_id,
                              vocab_size=tok.vocab_size)
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, "generate")

@@ -1,18 +1,94 @@
-"""The release stage: the Hugging Face model with everything that made it."""
+"""The release stage: the Hugging Face model with everything that made it.
+
+The glue between a run directory and :func:`olmoflow.release.bundle.build_release`: which
+checkpoint, tokenizer, training log, evaluation report and data manifests go into the bundle.
+"""
 
 from __future__ import annotations
 
-from olmoflow.artifacts import StageResult
-from olmoflow.pipeline.config import RunConfig
+from pathlib import Path
+from typing import Any
+
+from olmoflow.artifacts import StageResult, read_manifest
+from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.stage import Stage
-from olmoflow.pipeline.stages.common import load_trained_model, stage_dir
+from olmoflow.pipeline.stages.common import (
+    data_dirs,
+    load_trained_model,
+    model_inputs,
+    need,
+    stage_dir,
+    token_dirs,
+    tokenizer_dir,
+)
+from olmoflow.pipeline.stages.eval import REPORT
+from olmoflow.run_dir import RunDir
+
+#: the stages whose manifests the data manifest of a run that made its own tokens holds.
+DATA_STAGES = ("collect", "clean", "train-tokenizer", "tokenize")
+# What a data stage's manifest contributes to the release's data manifest.
+_MANIFEST_KEYS = ("fingerprint", "config", "inputs", "outputs", "counts", "started", "finished")
+
+
+def trained_on(cfg: RunConfig) -> list[Path]:
+    """The tokens directories the model trained on: ``train.data``, else the run's own."""
+    return [Path(d) for d in data_dirs(cfg)] or [stage_dir(cfg, "tokenize")]
+
+
+def data_manifest(cfg: RunConfig) -> dict[str, Any]:
+    """The release's ``data_manifest.json``.
+
+    ``lineage``: for each tokens directory the model trained on, the chain of manifests back to
+    every raw source file with its sha256 (:func:`olmoflow.data.lineage.data_lineage`); for a run
+    that made its own tokens also, keyed by stage, the manifests of its data stages (collect,
+    clean, train-tokenizer, tokenize: configs, inputs and outputs with sha256, counts).
+    """
+    from olmoflow.data.lineage import data_lineage
+
+    out: dict[str, Any] = {}
+    if not data_dirs(cfg):
+        runs = RunDir(cfg.run_dir)
+        found = {s: read_manifest(runs.stage(s)) for s in DATA_STAGES}
+        out = {s: {k: m[k] for k in _MANIFEST_KEYS if k in m} for s, m in found.items() if m}
+    out["lineage"] = [data_lineage(d) for d in trained_on(cfg)]
+    return out
+
+
+def data_summary(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the model card says of the data: documents, bytes, sources and token counts."""
+    if not data_dirs(cfg):
+        collect = manifest.get("collect", {}).get("counts", {})
+        tokens = manifest.get("tokenize", {}).get("counts", {})
+        return {"documents": collect.get("documents", "?"), "bytes": collect.get("bytes", "?"),
+                "sources": list(cfg.collect.sources),
+                "train_tokens": tokens.get("train_tokens", "?"),
+                "heldout_tokens": tokens.get("heldout_tokens", "?")}
+    dirs = token_dirs(cfg)
+    splits = [d.meta["splits"] for d in dirs]
+
+    def total(key: str, names: tuple[str, ...] = ("train", "heldout")) -> int:
+        return sum(int(s.get(n, {}).get(key) or 0) for s in splits for n in names)
+
+    return {"documents": total("documents"), "bytes": total("bytes"),
+            "sources": [f"{d.root} ({len(lin['raw_files'])} raw source file(s))"
+                        for d, lin in zip(dirs, manifest["lineage"], strict=True)],
+            "train_tokens": total("tokens", ("train",)),
+            "heldout_tokens": total("tokens", ("heldout",))}
 
 
 def run_release(cfg: RunConfig, progress: bool) -> StageResult:
+    """Bundle the final checkpoint of pretraining with everything that made it."""
     from olmoflow.release.bundle import build_release
 
     model, tok, ckpt = load_trained_model(cfg)
-    return build_release(cfg, model, tok, ckpt, stage_dir(cfg, "release"))
+    manifest = data_manifest(cfg)
+    result = build_release(
+        cfg.release, model, tok, stage_dir(cfg, "release"), runs=RunDir(cfg.run_dir),
+        training_stage="pretrain", checkpoint=ckpt, tokenizer_dir=tokenizer_dir(cfg),
+        eval_report=need(cfg, "evaluate", REPORT), data_manifest=manifest,
+        data_summary=data_summary(cfg, manifest), config_yaml=dump_config(cfg))
+    result.inputs = model_inputs(cfg, ckpt) + result.inputs
+    return result
 
 
 RELEASE = Stage("release", run_release, ("release",), ("pretrain", "evaluate"), ("files",),

@@ -7,7 +7,13 @@ from pathlib import Path
 from olmoflow.artifacts import StageResult, data_files
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.stage import Stage, Trains
-from olmoflow.pipeline.stages.common import build_model, load_tokenizer, stage_dir, token_split
+from olmoflow.pipeline.stages.common import (
+    build_model,
+    load_tokenizer,
+    stage_dir,
+    token_data_stamp,
+    token_split,
+)
 
 
 def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
@@ -27,8 +33,9 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
         paths = paths + [index_path(p) for p in paths]
     # Under torchrun + FSDP a model too big for every process is built on the meta device and
     # only this rank's shards are allocated; one process trains on the GPU when there is one.
-    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size), t.data_parallel)
-    trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg), progress=progress)
+    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size), t.parallel.data_parallel)
+    trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg),
+                      progress=progress)
     summary = trainer.fit()
     final = Path(summary["checkpoint"])
     outputs = data_files(final) + [out / METRICS, out / "latest"]
@@ -42,10 +49,10 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
 # makes: changing one resumes an interrupted run (and leaves a complete one complete) instead of
 # deleting its checkpoints and training again from step 0.
 TRAIN_BOOKKEEPING = tuple(f"train.{k}" for k in (
-    "resume_from", "save_interval", "log_interval", "keep_every", "keep_last", "num_threads",
-    "detailed_log_interval", "loggers"))
+    "checkpoint.resume_from", "checkpoint.save_interval", "checkpoint.keep_every",
+    "checkpoint.keep_last", "num_threads", "log.interval", "log.detailed_interval", "log.loggers"))
 
 PRETRAIN = Stage("pretrain", run_pretrain, ("model", "train", "seed"), ("tokenize",),
                  ("parameters", "steps", "tokens", "final_loss", "packing_efficiency"),
-                 help="pretrain the model", ignore=TRAIN_BOOKKEEPING,
-                 trains=Trains(resume_key="train.resume_from"))
+                 help="pretrain the model", ignore=TRAIN_BOOKKEEPING, stamp=token_data_stamp,
+                 trains=Trains(resume_key="train.checkpoint.resume_from"))

@@ -12,7 +12,8 @@ import torch
 
 from olmoflow.cli import main
 
-transformers = pytest.importorskip("transformers", reason="transformers is the consumer of the export")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is the consumer of the export")
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -38,7 +39,7 @@ def tiny_run(tmp_path_factory) -> Path:
     """A tiny pretraining run (4 steps of 512 tokens, checkpoints at steps 2 and 4): ~5 s."""
     run = tmp_path_factory.mktemp("run")
     rc = main(["run", "tiny", "--run-dir", str(run), "--no-progress", "train.max_steps=4",
-               "train.save_interval=2"])
+               "train.checkpoint.save_interval=2"])
     assert rc == 0
     assert (run / "pretrain" / STEP4 / "model_and_optim").is_dir()
     return run
@@ -67,7 +68,8 @@ def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
     rc, stdout, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain" / STEP4), str(out))
     assert rc == 0, err
     assert "exported" in stdout
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary dir left behind"
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not leftovers, "temporary dir left behind"
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "Olmo3ForCausalLM"  # the tiny preset has sliding windows
@@ -92,7 +94,8 @@ def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
 def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
     """The run's checkpoint folder resolves through ``latest``; --dtype bfloat16 writes bf16."""
     out = tmp_path / "bf16"
-    rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain"), str(out), "--dtype", "bfloat16")
+    rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "pretrain"), str(out),
+                     "--dtype", "bfloat16")
     assert rc == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "olmo3"
@@ -112,7 +115,7 @@ def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
 def test_export_from_the_latest_pointer_file(tiny_run, tmp_path, capsys):
     """``run_dir/pretrain/latest`` (the pointer file a user tab-completes to) exports the checkpoint
     it names, the same weights as the pretrain folder itself."""
-    from olmoflow.export import resolve_source
+    from olmoflow.release.export import resolve_source
 
     pretrain = tiny_run / "pretrain"
     assert resolve_source(pretrain / "latest") == resolve_source(pretrain)
@@ -136,6 +139,7 @@ def test_export_bad_inputs(tiny_run, tmp_path, capsys):
     assert (busy / "config.json").is_file() and not (busy / "keep.txt").exists()
     rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"), "--dtype", "fp8")
     one_line_error(rc, err, "unknown dtype 'fp8'")
-    rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"), "--tokenizer", str(tmp_path))
+    rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"),
+                     "--tokenizer", str(tmp_path))
     one_line_error(rc, err, "no tokenizer.json")
     assert not (tmp_path / "o").exists()

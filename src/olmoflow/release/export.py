@@ -12,8 +12,10 @@ Accepted sources:
   (``run_dir/pretrain/latest``): the checkpoint it names;
 - a Hugging Face directory (e.g. a release): re-exported, optionally in another dtype.
 
-The tokenizer comes from ``--tokenizer`` when given, else from the run directory's ``tokenizer/``
-(the step directory's grandparent), else its ``release/``, else the source directory itself.
+The tokenizer comes from ``--tokenizer`` when given; for a step directory, else from the tokens
+directories the checkpoint's config trained on (``train.data``), else from the run's tokenizer
+stage, else its release (the run directory is the step directory's grandparent, laid out as
+:class:`olmoflow.run_dir.RunDir` says); for a Hugging Face directory, from the directory itself.
 The directory is assembled under a temporary name beside ``OUT`` and renamed onto it when complete.
 """
 
@@ -27,7 +29,9 @@ from pathlib import Path
 import torch
 
 from olmoflow.artifacts import atomic_write_json, now, sha256_file
+from olmoflow.config import from_dict, read_yaml_mapping
 from olmoflow.errors import OlmoflowError
+from olmoflow.run_dir import RunDir
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -59,13 +63,36 @@ def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
             return "step", step
     if (p / "config.json").is_file():
         return "hf", p
-    raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml and "
-                        "model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens2M) or a "
+    raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml "
+                        "and model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens2M) or a "
                         "Hugging Face directory")
 
 
+def _step_config(step: Path) -> dict:
+    """The raw run config saved in a step directory (``config.yaml``)."""
+    return read_yaml_mapping(step / "config.yaml")
+
+
+def _trained_on_tokenizers(step: Path) -> list[Path]:
+    """The tokenizer directories of the tokens directories a step was trained on (``train.data``
+    in its config; none when it trained on its run's own tokens)."""
+    from olmoflow.data.tokenize import open_token_dir
+
+    train = _step_config(step).get("train")
+    data = train.get("data") if isinstance(train, dict) else None
+    dirs = [data] if isinstance(data, str) else list(data or [])
+    found = []
+    for d in dirs:
+        try:
+            found.append(open_token_dir(d).tokenizer_dir)
+        except OlmoflowError:  # moved or deleted since; the other candidates may still hold one
+            continue
+    return found
+
+
 def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) -> Path:
-    """The directory holding ``tokenizer.json`` for ``src`` (see the module docstring for the order).
+    """The directory holding ``tokenizer.json`` for ``src`` (the module docstring gives the
+    order).
 
     Raises:
         OlmoflowError: none found (the message lists where it looked).
@@ -73,8 +100,9 @@ def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) ->
     if tokenizer is not None:
         cands = [Path(tokenizer)]
     elif kind == "step":
-        run_dir = src.resolve().parent.parent
-        cands = [run_dir / "tokenizer", run_dir / "release"]
+        runs = RunDir(src.resolve().parent.parent)
+        cands = [*_trained_on_tokenizers(src), runs.stage("train-tokenizer"),
+                 runs.stage("release")]
     else:
         cands = [src]
     for c in cands:
@@ -85,14 +113,22 @@ def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) ->
 
 
 def load_step_model(step: Path, tokenizer_vocab: int):
-    """The :class:`Olmo` of a step directory: its ``config.yaml`` shape, weights from
-    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32)."""
-    from olmoflow.pipeline.config import load_config
+    """The :class:`Olmo` of a step directory: the shape of the ``model`` section of its
+    ``config.yaml`` (vocab padded from ``tokenizer_vocab`` when it says 0), weights from
+    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32).
+
+    Raises:
+        OlmoflowError: the config has no valid model section, or the weights do not load.
+    """
+    from olmoflow.model.config import ModelConfig
     from olmoflow.model.olmo import Olmo
     from olmoflow.train.checkpoint import load_model
 
-    cfg = load_config(str(step / "config.yaml"))
-    mc = cfg.model
+    tree = _step_config(step)
+    if not isinstance(tree.get("model"), dict):
+        raise OlmoflowError(f"{step / 'config.yaml'}: no 'model' section; not a checkpoint's "
+                            "config")
+    mc = from_dict(ModelConfig, tree["model"], "model.")
     if mc.vocab_size <= 0:
         mc = replace(mc, vocab_size=mc.padded_vocab_size(tokenizer_vocab))
     with torch.device("meta"):
@@ -145,13 +181,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        files = save_hf_dir(model, tmp, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                            dtype=DTYPES[dtype] if dtype else None)
+        files = save_hf_dir(model, tmp, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, dtype=DTYPES[dtype] if dtype else None)
         files += copy_tokenizer_files(tok_dir, tmp)
+        arch = "Olmo3ForCausalLM" if model.config.sliding_window else "Olmo2ForCausalLM"
         atomic_write_json(tmp / "export_manifest.json", {
             "command": "olmoflow export hf",
             "source": str(src.resolve()), "source_kind": kind, "tokenizer": str(tok_dir.resolve()),
-            "architecture": "Olmo3ForCausalLM" if model.config.sliding_window else "Olmo2ForCausalLM",
+            "architecture": arch,
             "parameters": model.num_params(), "created": now(),
             "files": {f.name: sha256_file(f) for f in files},
         })

@@ -1,0 +1,78 @@
+"""The model card (``README.md``) of a release bundle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from olmoflow.release.config import ReleaseConfig
+
+
+def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[str, Any],
+               release_dir: Path) -> str:
+    """The model card's Markdown: front matter (license, tags), the model's shape, its training
+    data, its held-out evaluation and how to load it.
+
+    Args:
+        model: the released :class:`olmoflow.model.olmo.Olmo`.
+        report: the evaluation report (``loss``, ``perplexity``, ``bpb``; missing ones show NaN).
+        data: what the card says of the data: ``documents``, ``bytes``, ``sources`` (a list),
+            ``train_tokens``, ``heldout_tokens`` (missing ones show ``?``).
+        release_dir: where the release lies, for the loading snippet.
+    """
+    mc = model.config
+    arch = "OLMo 3" if mc.sliding_window else "OLMo 2"
+    window = (f"{mc.sliding_window or 'none'} (full attention every "
+              f"{mc.full_attention_every}th and the last layer)")
+    nan = float("nan")
+    return f"""---
+license: {cfg.license}
+library_name: transformers
+tags: [olmo, olmoflow]
+---
+# {cfg.name}
+
+A {model.num_params() / 1e6:.1f}M-parameter {arch}-architecture language model trained with
+[olmoflow](https://github.com/) from raw text to this directory. Every file here is traceable:
+`data_manifest.json` follows the data back to its sources, `config.yaml` is the resolved config,
+`training_log.jsonl` the metrics of every logged step, `eval/report.json` the held-out evaluation.
+
+## Model
+
+| field | value |
+|---|---|
+| d_model | {mc.d_model} |
+| n_layers | {mc.n_layers} |
+| n_heads / n_kv_heads | {mc.n_heads} / {mc.n_kv_heads} |
+| MLP hidden | {mc.mlp_hidden} |
+| vocab (padded) | {mc.vocab_size} |
+| sliding window | {window} |
+| RoPE theta | {mc.rope_theta:g} |
+
+## Training data
+
+{data.get('documents', '?')} documents collected ({data.get('bytes', '?')} bytes; sources:
+{', '.join(map(str, data.get('sources', []))) or '?'}), tokenized into \
+{data.get('train_tokens', '?')} training tokens
+and {data.get('heldout_tokens', '?')} held-out tokens.
+
+## Evaluation (held-out)
+
+| metric | value |
+|---|---|
+| loss (nats/token) | {report.get('loss', nan):.4f} |
+| perplexity | {report.get('perplexity', nan):.2f} |
+| bits per byte | {report.get('bpb', nan):.4f} |
+
+## Use
+
+```python
+from olmoflow import Olmo, Tokenizer
+model = Olmo.from_pretrained("{release_dir}")
+tokenizer = Tokenizer.from_pretrained("{release_dir}")
+inputs = tokenizer("def fibonacci(n):", return_tensors="pt")
+print(tokenizer.decode(model.generate(inputs.input_ids, max_length=50)[0]))
+```
+
+The directory also loads in `transformers` (`AutoModelForCausalLM`, `AutoTokenizer`).
+"""

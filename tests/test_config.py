@@ -1,0 +1,86 @@
+"""The config mechanism (``olmoflow.config``): one parser for run configs and data-engine configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from olmoflow.config import all_keys, from_dict, load_tree, note_renamed
+from olmoflow.errors import OlmoflowError
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class Legacy:
+    """A section that still reads its old flat spelling ``learning_rate``."""
+
+    inner: Inner = field(default_factory=Inner)
+    steps: int = 10
+    name: str | None = None
+
+    @classmethod
+    def upgrade_keys(cls, data: dict, prefix: str) -> dict:
+        if "learning_rate" in data:
+            note_renamed(f"{prefix}learning_rate", f"{prefix}inner.lr")
+            data.setdefault("inner", {})["lr"] = data.pop("learning_rate")
+        return data
+
+
+@dataclass
+class Root:
+    legacy: Legacy = field(default_factory=Legacy)
+    seed: int = 0
+
+
+def test_nested_sections_and_types():
+    cfg = from_dict(Root, {"legacy": {"inner": {"lr": 1, "betas": [0.8, 0.9]}, "steps": 3}})
+    assert cfg.legacy.inner.lr == 1.0 and isinstance(cfg.legacy.inner.lr, float)
+    assert cfg.legacy.inner.betas == [0.8, 0.9] and cfg.legacy.steps == 3
+    assert from_dict(Root, {"legacy": {"inner": {"lr": "1e-3"}}}).legacy.inner.lr == 1e-3
+    assert all_keys(Root) == ["legacy.inner.lr", "legacy.inner.betas", "legacy.steps",
+                              "legacy.name", "seed"]
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"legacy": {"stepz": 1}}, "unknown config key 'legacy.stepz'; did you mean 'legacy.steps'?"),
+    ({"legacyy": {"steps": 1}}, "unknown config key 'legacyy.steps'; did you mean 'legacy.steps'?"),
+    ({"legacy": {"inner": {"lrr": 1}}}, "did you mean 'legacy.inner.lr'?"),
+    ({"legacy": {"steps": "ten"}}, "config key 'legacy.steps' expects int, got 'ten'"),
+    ({"legacy": {"steps": True}}, "config key 'legacy.steps' expects int"),
+    ({"legacy": None}, "config section 'legacy' is empty"),
+    ({"legacy": [1]}, "config section 'legacy' must be a mapping"),
+    ({"legacy": {"inner": {"betas": {"a": 1}}}}, "expects a list"),
+])
+def test_bad_keys_and_values_are_one_line_errors(tree, message):
+    with pytest.raises(OlmoflowError) as e:
+        from_dict(Root, tree)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_old_spelling_is_upgraded_with_one_note(capsys):
+    cfg = from_dict(Root, {"legacy": {"learning_rate": 0.5}})
+    assert cfg.legacy.inner.lr == 0.5
+    err = capsys.readouterr().err
+    assert "config key 'legacy.learning_rate' is now 'legacy.inner.lr'" in err
+    from_dict(Root, {"legacy": {"learning_rate": 0.5}})
+    assert capsys.readouterr().err == ""  # once per process
+
+
+def test_overrides_and_values_apply_in_order(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("legacy:\n  steps: 1\n")
+    tree = load_tree(str(path), ["legacy.steps=2", "legacy.inner={lr: 0.1}"], {"legacy.steps": 3})
+    assert tree == {"legacy": {"steps": 3, "inner": {"lr": 0.1}}}
+
+
+def test_invalid_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("legacy:\n  steps: 1\n   x: [\n")
+    with pytest.raises(OlmoflowError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_tree(str(path))

@@ -1,0 +1,264 @@
+"""The package's import graph: no cycles, and libraries never import ``olmoflow.pipeline``.
+
+The graph is read from the source with ``ast`` (nothing is imported), so the test is fast and
+sees every module, including ones whose optional dependencies are missing.
+
+Two kinds of edge are kept apart:
+
+- module-level imports (a module's top level and class bodies, ``try``/``if`` blocks included;
+  ``if TYPE_CHECKING:`` blocks skipped, they never run) execute when the module is imported, so a
+  cycle among them is a real import cycle: import order decides whether it works;
+- imports inside functions run later. They are a common way to hide a cycle, so the stricter check
+  walks them too: a package whose lazy imports close a loop still has two modules that each need
+  the other, and the imports no longer point one way.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "olmoflow"
+# Only these may import the glue package (DESIGN.md, "Layout": libraries never import pipeline/).
+PIPELINE = "olmoflow.pipeline"
+MAY_IMPORT_PIPELINE = ("olmoflow.pipeline", "olmoflow.cli")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``importer`` imports ``imported`` at ``line``; ``lazy`` when inside a function body."""
+
+    importer: str
+    imported: str
+    line: int
+    lazy: bool
+
+
+def module_names(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:
+    """Every module of ``package`` under ``src``: dotted name -> file (``pkg/__init__.py`` is
+    ``pkg``)."""
+    out = {}
+    for path in sorted((src / package).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(
+    node: ast.AST, lazy: bool = False,
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under ``node`` with whether it runs lazily (inside a function)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, lazy
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            # Only the `else:` branch runs; walk it as if it were this node's own body.
+            yield from _imports(ast.Module(body=child.orelse, type_ignores=[]), lazy)
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield from _imports(child, True)
+        else:
+            yield from _imports(child, lazy)
+
+
+def import_edges(modules: dict[str, Path], package: str = PACKAGE) -> list[Edge]:
+    """The imports between modules of ``package``.
+
+    ``from a.b import c`` points at module ``a.b.c`` when there is one, else at ``a.b`` (``c`` is
+    a name defined there). Relative imports are resolved against the importing module.
+    """
+    edges = []
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node, lazy in _imports(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            for target in targets:
+                # `import a.b.c` of a name that is no module: the longest prefix that is one.
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                inside = target == package or target.startswith(package + ".")
+                if target and target != name and inside:
+                    edges.append(Edge(name, target, node.lineno, lazy))
+    return edges
+
+
+def _graph(edges: list[Edge]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.importer, set()).add(e.imported)
+        graph.setdefault(e.imported, set())
+    return graph
+
+
+def import_groups(edges: list[Edge]) -> list[set[str]]:
+    """The strongly connected groups of two or more modules (each reaches every other), by
+    Tarjan's algorithm; a graph whose imports point one way has none."""
+    graph = _graph(edges)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return groups
+
+
+def find_cycles(edges: list[Edge]) -> list[list[str]]:
+    """One shortest cycle ``[a, b, ..., a]`` through each group of :func:`import_groups`, starting
+    at the group's first module by name; sorted."""
+    graph = _graph(edges)
+    cycles = []
+    for group in import_groups(edges):
+        start = min(group)
+        parent: dict[str, str] = {}
+        frontier, last = [start], None
+        while last is None:  # breadth-first inside the group: it is strongly connected
+            nxt = []
+            for v in frontier:
+                succ = graph[v] & group
+                if start in succ:
+                    last = v
+                    break
+                for w in sorted(succ - parent.keys()):
+                    parent[w] = v
+                    nxt.append(w)
+            frontier = nxt
+        path = [last]
+        while path[-1] != start:
+            path.append(parent[path[-1]])
+        cycles.append([*reversed(path), start])
+    return sorted(cycles)
+
+
+def _describe(edges: list[Edge]) -> str:
+    """One line per cycle: the loop, where each hop is imported, and the rest of its group."""
+    # A module-level import explains a hop better than a lazy one; the earliest line first.
+    where = {}
+    for e in sorted(edges, key=lambda e: (not e.lazy, -e.line)):
+        where[e.importer, e.imported] = e
+    groups = import_groups(edges)
+    lines = []
+    for cycle in find_cycles(edges):
+        hops = ", ".join(
+            f"{a}:{where[a, b].line}{' (in a function)' if where[a, b].lazy else ''}"
+            for a, b in itertools.pairwise(cycle)
+        )
+        group = next(g for g in groups if cycle[0] in g)
+        rest = sorted(group - set(cycle))
+        also = f"; the same knot also holds {', '.join(rest)}" if rest else ""
+        lines.append(f"{' -> '.join(cycle)}   [{hops}]{also}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def edges() -> list[Edge]:
+    return import_edges(module_names())
+
+
+def test_the_graph_sees_the_package(edges):
+    # Guards the walker itself: a parser that found no imports would pass every check below.
+    modules = module_names()
+    assert "olmoflow.model.olmo" in modules and "olmoflow.pipeline" in modules
+    assert any(
+        e.importer == "olmoflow.model.olmo" and e.imported == "olmoflow.model.config" and not e.lazy
+        for e in edges
+    )
+    assert any(e.lazy for e in edges)
+
+
+def test_find_cycles_names_each_loop():
+    e = [Edge("p.a", "p.b", 1, False), Edge("p.b", "p.c", 1, False), Edge("p.c", "p.a", 1, True),
+         Edge("p.c", "p.d", 1, False), Edge("p.d", "p.e", 1, False), Edge("p.e", "p.d", 1, False)]
+    assert find_cycles(e) == [["p.a", "p.b", "p.c", "p.a"], ["p.d", "p.e", "p.d"]]
+    assert find_cycles([x for x in e if not x.lazy]) == [["p.d", "p.e", "p.d"]]
+
+
+def test_edges_resolve_relative_and_skip_type_checking(tmp_path):
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import x\n")
+    (pkg / "sub" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom ..y import thing\nif TYPE_CHECKING:\n"
+        "    from p.z import T\n\ndef f():\n    import p.z\n"
+    )
+    (pkg / "y.py").write_text("import p.sub.x\n")
+    (pkg / "z.py").write_text("")
+    got = {(e.importer, e.imported, e.lazy) for e in import_edges(module_names(tmp_path, "p"), "p")}
+    assert got == {("p.sub", "p.sub.x", False), ("p.sub.x", "p.y", False),
+                   ("p.sub.x", "p.z", True), ("p.y", "p.sub.x", False)}
+
+
+def test_no_import_cycles(edges):
+    eager = [e for e in edges if not e.lazy]
+    assert not find_cycles(eager), "module-level import cycles:\n" + _describe(eager)
+
+
+def test_no_import_cycles_through_function_level_imports(edges):
+    assert not find_cycles(edges), (
+        "import cycles closed by imports inside functions (the imports no longer point one way):\n"
+        + _describe(edges)
+    )
+
+
+def test_libraries_never_import_the_pipeline(edges):
+    allowed = tuple(m + "." for m in MAY_IMPORT_PIPELINE)
+    bad = sorted(
+        f"{e.importer} line {e.line} imports {e.imported}"
+        for e in edges
+        if (e.imported == PIPELINE or e.imported.startswith(PIPELINE + "."))
+        and e.importer not in MAY_IMPORT_PIPELINE
+        and not e.importer.startswith(allowed)
+    )
+    assert not bad, (
+        "only olmoflow.pipeline and olmoflow.cli may import olmoflow.pipeline:\n" + "\n".join(bad)
+    )

@@ -1,0 +1,140 @@
+"""The nested ``train`` config: its sections, the old flat keys (accepted with one note each),
+OLMo's finetuning form, and closest-key errors inside a section."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+import olmoflow.config
+from olmoflow.config import all_keys
+from olmoflow.errors import OlmoflowError
+from olmoflow.pipeline.config import RunConfig, load_config
+from olmoflow.train.config import RENAMED, SECTION_TYPES, TrainConfig
+
+
+@pytest.fixture
+def notes(monkeypatch, capsys):
+    """The rename notes printed from here on (each is printed once per process otherwise)."""
+    monkeypatch.setattr(olmoflow.config, "_NOTED", set())
+    capsys.readouterr()
+    return lambda: [ln for ln in capsys.readouterr().err.splitlines() if "note:" in ln]
+
+
+def test_old_flat_key_equals_the_nested_key_with_one_note(notes):
+    old = load_config("tiny", ["train.lr=1e-3"])
+    assert notes() == ["olmoflow: note: config key 'train.lr' is now 'train.optimizer.lr'"]
+    assert old == load_config("tiny", ["train.optimizer.lr=1e-3"])
+    assert old.train.optimizer.lr == 1e-3
+    assert notes() == []
+
+
+@pytest.mark.parametrize("override,check", [
+    ("train.warmup_steps=7", lambda t: t.schedule.warmup_steps == 7),
+    ("train.schedule=wsd", lambda t: t.schedule.type == "wsd" and t.schedule.warmup_steps == 5),
+    ("train.optimizer=muon", lambda t: t.optimizer.type == "muon"),
+    ("train.save_interval=3", lambda t: t.checkpoint.save_interval == 3),
+    ("train.stage=stage2", lambda t: t.checkpoint.stage == "stage2"),
+    ("train.log_interval=2", lambda t: t.log.interval == 2),
+    ("train.detailed_log_interval=4", lambda t: t.log.detailed_interval == 4),
+    ("train.loggers=tensorboard", lambda t: t.log.loggers == ["tensorboard"]),
+    ("train.data_parallel=fsdp", lambda t: t.parallel.data_parallel == "fsdp"),
+    ("train.grad_clip=0.5", lambda t: t.max_grad_norm == 0.5),
+    ("train.beta2=0.99", lambda t: t.optimizer.betas == [0.9, 0.99]),
+    ("train.batch_size=16", lambda t: t.global_batch_size == 16),
+])
+def test_old_flat_keys_land_in_their_sections(notes, override, check):
+    assert check(load_config("tiny", [override]).train)
+    (note,) = notes()
+    assert f"'{override.split('=')[0]}' is now 'train." in note
+
+
+def test_every_old_key_names_a_valid_new_key():
+    valid = set(all_keys(TrainConfig))
+    assert {f"{k}" for k in {*RENAMED.values(), *SECTION_TYPES.values()}} <= valid
+    assert not set(RENAMED) & {f.name for f in fields(TrainConfig)}  # old names are not fields
+
+
+def test_a_flat_override_wins_over_the_nested_preset_value():
+    cfg = load_config("olmo3_7b", ["train.warmup_steps=10", "train.keep_last=1"])
+    assert cfg.train.schedule.warmup_steps == 10 and cfg.train.schedule.min_lr_ratio == 0.1
+    assert cfg.train.checkpoint.keep_last == 1 and cfg.train.checkpoint.keep_every == 10000
+
+
+def test_presets_are_nested_and_print_no_note(notes):
+    for preset in ("tiny", "demo", "olmo3_7b", "olmo3_32b"):
+        load_config(preset)
+    assert notes() == []
+    big = load_config("olmo3_32b").train
+    assert (big.optimizer.lr, big.optimizer.betas, big.schedule.warmup_steps) == (6e-4, [0.9, 0.95],
+                                                                                 2000)
+    assert big.parallel.data_parallel == "fsdp" and big.checkpoint.keep_last == 2
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("train.optimizer.lrr=1e-3", "unknown config key 'train.optimizer.lrr'; did you mean "
+                                 "'train.optimizer.lr'?"),
+    ("train.checkpoint.save_intervl=3", "did you mean 'train.checkpoint.save_interval'?"),
+    ("train.log.intervall=3", "did you mean 'train.log.interval'?"),
+    ("train.schedule.warmup=3", "did you mean 'train.schedule.warmup_steps'?"),
+])
+def test_unknown_key_in_a_section_names_the_closest(override, hint):
+    with pytest.raises(OlmoflowError) as e:
+        load_config("tiny", [override])
+    assert hint in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_data_is_a_list_of_token_directories():
+    assert load_config("tiny").train.data == []
+    assert load_config("tiny", ["train.data=runs/data/web/tokens"]).train.data == [
+        "runs/data/web/tokens"]
+    assert load_config("tiny", ["train.data=[a/tokens, b/tokens]"]).train.data == ["a/tokens",
+                                                                                  "b/tokens"]
+
+
+def test_olmo_finetuning_form_loads(tmp_path, notes):
+    """The shape of a finetuning config in OLMo's docs: top-level data paths and optimizer."""
+    path = tmp_path / "finetune.yaml"
+    path.write_text("run_dir: runs/ft\n"
+                    "data:\n  paths: [your_data.jsonl]\n"
+                    "train:\n  batch_size: 4\n"
+                    "optimizer:\n  type: adamw\n  lr: 1.0e-5\n")
+    cfg = load_config(str(path))
+    t = cfg.train
+    assert t.data == ["your_data.jsonl"]
+    assert t.global_batch_size == 4 and t.micro_batch_size == 4  # a batch of 4 as one micro-batch
+    assert t.optimizer.type == "adamw" and t.optimizer.lr == 1e-5
+    assert t.optimizer.weight_decay == 0.1  # the rest of the section keeps its defaults
+    assert sorted(notes()) == sorted([
+        "olmoflow: note: config key 'data.paths' is now 'train.data'",
+        "olmoflow: note: config key 'optimizer' is now 'train.optimizer'",
+        "olmoflow: note: config key 'train.batch_size' is now 'train.global_batch_size'",
+    ])
+
+
+def test_top_level_optimizer_merges_into_the_preset_section():
+    cfg = load_config("olmo3_7b", ["optimizer={lr: 1.0e-5}"])
+    assert cfg.train.optimizer.lr == 1e-5 and cfg.train.optimizer.eps == 1e-8
+    assert cfg.train.optimizer.betas == [0.9, 0.95]
+
+
+def test_run_config_keys_still_have_closest_hints():
+    with pytest.raises(OlmoflowError, match="did you mean 'train.max_steps'"):
+        load_config("tiny", ["trian.max_steps=5"])
+    assert "train.optimizer.lr" in all_keys(RunConfig)
+
+
+def test_reading_a_config_imports_no_training_code():
+    """The config sections hold the names the trainer modules check against, not the reverse."""
+    code = ("import sys; import olmoflow.pipeline.config as c; c.load_config('tiny'); "
+            "bad = [m for m in ('olmoflow.train.trainer', 'olmoflow.train.optim', "
+            "'olmoflow.train.distributed', 'olmoflow.train.loggers') if m in sys.modules]; "
+            "import olmoflow.train.batch_finder; "
+            "bad += ['batch_finder -> trainer'] * ('olmoflow.train.trainer' in sys.modules); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
