@@ -85,6 +85,12 @@ def test_generate_edge_cases(run, capsys):
     assert rc == 0, err
     sample = json.loads((run / "generate" / "samples.jsonl").read_text().splitlines()[0])
     assert sample == {"prompt": "Hello", "completion": ""}
+    assert "Generated text:\n--- prompt: 'Hello'\nHello" in out  # the stage's show hook
+    rc, out, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "a",
+                       "--prompt", "b", "--max-new-tokens", "2", "--no-progress")
+    assert rc == 0, err
+    prompts = [json.loads(ln)["prompt"] for ln in (run / "generate" / "samples.jsonl").open()]
+    assert prompts == ["a", "b"] and "--- prompt: 'b'" in out
     rc, _, err = cli(capsys, "generate", "tiny", "--run-dir", str(run), "--prompt", "Hello",
                      "--max-new-tokens", "-5", "--no-progress")
     assert_one_line_error(rc, err, "max_new_tokens must be >= 0")

@@ -52,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         sp = sub.add_parser(stage.name, help=stage.help or f"run the {stage.name} stage")
         common(sp)
-        if stage.name == "generate":
-            sp.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-            sp.add_argument("--max-new-tokens", type=int)
+        for flag in stage.flags:
+            sp.add_argument(flag.option, dest=flag.dest, type=flag.type, help=flag.help,
+                            action="append" if flag.repeat else "store")
     _tool_parsers(sub)
     return p
 
@@ -202,34 +202,23 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         values["collect.strict"] = True
     if args.run_dir:
         values["run_dir"] = args.run_dir
-    if getattr(args, "prompt", None):
-        values["generate.prompts"] = args.prompt
-    if getattr(args, "max_new_tokens", None) is not None:
-        values["generate.max_new_tokens"] = args.max_new_tokens
+    force = args.force
+    verb_stage = None if args.verb == "run" else STAGES[args.verb]
+    for flag in verb_stage.flags if verb_stage else ():
+        given = getattr(args, flag.dest, None)
+        if given is not None and given != []:
+            values[flag.key] = given
+            force = force or flag.forces_rerun
     cfg = load_config(args.config, args.overrides, values)
-    stages = None if args.verb == "run" else [args.verb]
-    force = args.force or (args.verb == "generate" and bool(getattr(args, "prompt", None)))
-    run_pipeline(cfg, stages=stages, progress=not args.no_progress, force=force)
-    if args.verb in ("run", "generate"):
-        from olmoflow.train.distributed import is_main
+    shown = STAGES.enabled(cfg) if verb_stage is None else [verb_stage]
+    run_pipeline(cfg, stages=[s.name for s in shown] if verb_stage else None,
+                 progress=not args.no_progress, force=force)
+    from olmoflow.train.distributed import is_main
 
-        if is_main():  # under torchrun only rank 0 prints
-            _print_samples(cfg)
-
-
-def _print_samples(cfg) -> None:
-    """Print the generate stage's samples of the run ``cfg`` (nothing when it wrote none)."""
-    import json
-
-    from olmoflow.run_dir import RunDir
-
-    path = RunDir(cfg.run_dir).stage("generate") / "samples.jsonl"
-    if not path.is_file():
-        return
-    print("\nGenerated text:")
-    for line in path.read_text().splitlines():
-        s = json.loads(line)
-        print(f"--- prompt: {s['prompt']!r}\n{s['prompt']}{s['completion']}")
+    if is_main():  # under torchrun only rank 0 prints
+        for stage in shown:
+            if stage.show is not None:
+                stage.show(cfg)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,33 @@ class Trains:
 
 
 @dataclass(frozen=True)
+class Flag:
+    """A command-line option of a stage's verb that sets a config key (``olmoflow generate
+    --prompt TEXT`` sets ``generate.prompts``).
+
+    Attributes:
+        option: the option as typed, ``--prompt``.
+        key: the dotted config key it sets.
+        help: one line for ``--help``.
+        type: the argparse converter of its value (``str``, ``int``).
+        repeat: the option may be given several times; the key gets the list.
+        forces_rerun: giving it reruns the stage even when it is complete.
+    """
+
+    option: str
+    key: str
+    help: str = ""
+    type: Callable[[str], Any] = str
+    repeat: bool = False
+    forces_rerun: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute the option's value lands in."""
+        return self.option.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
 class Stage:
     """One stage of the flow.
 
@@ -49,6 +76,9 @@ class Stage:
         enabled: whether the stage is part of this run (data stages are not when ``train.data``
             names a tokens directory made elsewhere); None: always.
         trains: set for a training stage (see :class:`Trains`).
+        flags: command-line options of the stage's verb (see :class:`Flag`).
+        show: prints what the stage made for the user after ``olmoflow run`` or its own verb
+            (generate: the samples); None: nothing beyond the summary line.
     """
 
     name: str
@@ -61,6 +91,8 @@ class Stage:
     stamp: Callable[[RunConfig], Any] | None = None
     enabled: Callable[[RunConfig], bool] | None = None
     trains: Trains | None = None
+    flags: tuple[Flag, ...] = ()
+    show: Callable[[RunConfig], None] | None = None
 
     def is_enabled(self, cfg: RunConfig) -> bool:
         """Whether this stage is part of the run ``cfg`` (see ``enabled``)."""

@@ -8,8 +8,10 @@ import torch
 
 from olmoflow.artifacts import StageResult, atomic_write_text
 from olmoflow.pipeline.config import RunConfig
-from olmoflow.pipeline.stage import Stage
+from olmoflow.pipeline.stage import Flag, Stage
 from olmoflow.pipeline.stages.common import load_trained_model, model_inputs, stage_dir
+
+SAMPLES = "samples.jsonl"
 
 
 def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
@@ -23,10 +25,26 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
                              vocab_size=tok.vocab_size)
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, "generate")
-    atomic_write_text(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-    return StageResult(inputs=model_inputs(cfg, ckpt), outputs=[out_dir / "samples.jsonl"],
+    atomic_write_text(out_dir / SAMPLES, "".join(json.dumps(s) + "\n" for s in samples))
+    return StageResult(inputs=model_inputs(cfg, ckpt), outputs=[out_dir / SAMPLES],
                        counts={"samples": len(samples), "checkpoint": ckpt.name})
 
 
-GENERATE = Stage("generate", run_generate, ("generate",), ("pretrain",), ("samples",),
-                 help="sample text from the trained model")
+def show_samples(cfg: RunConfig) -> None:
+    """Print the samples the generate stage wrote (nothing when it wrote none)."""
+    path = stage_dir(cfg, "generate") / SAMPLES
+    if not path.is_file():
+        return
+    print("\nGenerated text:")
+    for line in path.read_text().splitlines():
+        s = json.loads(line)
+        print(f"--- prompt: {s['prompt']!r}\n{s['prompt']}{s['completion']}")
+
+
+GENERATE = Stage(
+    "generate", run_generate, ("generate",), ("pretrain",), ("samples",),
+    help="sample text from the trained model", show=show_samples,
+    flags=(Flag("--prompt", "generate.prompts", "a prompt (repeatable)", repeat=True,
+                forces_rerun=True),
+           Flag("--max-new-tokens", "generate.max_new_tokens", "tokens to sample per prompt",
+                type=int)))
