@@ -121,7 +121,9 @@ def run_datatrove(corpus: list[str]):
     """Seconds of datatrove's three filters over ``corpus``, and each filter's decisions."""
     from datatrove.data import Document
     from datatrove.pipeline.filters import (
-        C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter,
+        C4QualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
     )
 
     filters = {"gopher_repetition": GopherRepetitionFilter(),

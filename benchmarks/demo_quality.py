@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from olmoflow.pipeline.config import load_config
 from olmoflow.data.loader import DataLoader, InstanceDataset, open_token_arrays
 from olmoflow.eval.perplexity import evaluate_tokens
 from olmoflow.model.hf import hf_config, to_hf_state_dict
 from olmoflow.model.olmo import IGNORE_INDEX
+from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.pipeline.stages.common import build_model, load_tokenizer, token_split
 from olmoflow.train.schedule import lr_at
@@ -65,10 +65,12 @@ def train_transformers(model, cfg, loader, budget_s):
             g["lr"] = timed_lr(cfg, started, budget_s)
         n_targets = int((labels != IGNORE_INDEX).sum())
         total = 0.0
-        for mb_ids, mb_labels in zip(ids.split(cfg.micro_batch_size), labels.split(cfg.micro_batch_size)):
+        for mb_ids, mb_labels in zip(ids.split(cfg.micro_batch_size),
+                                     labels.split(cfg.micro_batch_size)):
             n_mb = int((mb_labels != IGNORE_INDEX).sum())
             # HF's loss is the mean over this micro-batch; reweight to the global batch's mean.
-            loss = model(input_ids=mb_ids, labels=mb_labels, shift_labels=mb_labels).loss * (n_mb / n_targets)
+            loss = (model(input_ids=mb_ids, labels=mb_labels, shift_labels=mb_labels).loss
+                    * (n_mb / n_targets))
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -109,10 +111,12 @@ def main() -> None:
     def score(fn):
         return evaluate_tokens(fn, heldout, tok.token_byte_lengths(),
                                sequence_length=cfg.train.sequence_length,
-                               batch_size=cfg.evaluate.batch_size, max_tokens=cfg.evaluate.max_tokens)
+                               batch_size=cfg.evaluate.batch_size,
+                               max_tokens=cfg.evaluate.max_tokens)
 
     rows = []
-    print(f"training each model for {args.minutes:g} min on {os.cpu_count()} threads ...", flush=True)
+    print(f"training each model for {args.minutes:g} min on {os.cpu_count()} threads ...",
+          flush=True)
     res = train_ours(ours, cfg.train, loader(), budget, os.path.join(cfg.run_dir, "bench_tmp"))
     ours.eval()
     with torch.no_grad():
@@ -125,7 +129,8 @@ def main() -> None:
                      sum(p.numel() for p in hf.parameters()), *res,
                      score(lambda x: hf(input_ids=x).logits)))
 
-    head = f"{'model':<42} {'params':>9} {'steps':>6} {'tokens':>10} {'tok/s':>7} {'train loss':>10} {'held-out loss':>13} {'BPB':>7}"
+    head = (f"{'model':<42} {'params':>9} {'steps':>6} {'tokens':>10} {'tok/s':>7} "
+            f"{'train loss':>10} {'held-out loss':>13} {'BPB':>7}")
     print("\n" + head + "\n" + "-" * len(head))
     for name, params, steps, tokens, secs, losses, ev in rows:
         last = sum(losses[-10:]) / max(len(losses[-10:]), 1)

@@ -1,4 +1,5 @@
-"""The config mechanism (``olmoflow.config``): one parser for run configs and data-engine configs."""
+"""The config mechanism (``olmoflow.config``): one parser for run configs and data-engine
+configs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """User-facing errors.
 
-Anything the user can fix (a bad path, a bad config key, malformed data under ``--strict``) is raised
-as :class:`OlmoflowError`. The CLI prints its message on one line and exits with status 2; every
-other exception is a bug in olmoflow and keeps its traceback.
+Anything the user can fix (a bad path, a bad config key, malformed data under ``--strict``) is
+raised as :class:`OlmoflowError`. The CLI prints its message on one line and exits with status 2;
+every other exception is a bug in olmoflow and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from olmoflow.data.config import CleanConfig, CollectConfig
 from olmoflow.data.clean import clean
+from olmoflow.data.config import CleanConfig, CollectConfig
 from olmoflow.data.documents import DOCUMENTS, read_documents, write_documents
 from olmoflow.data.sources import collect
 from olmoflow.errors import OlmoflowError

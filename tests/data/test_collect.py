@@ -255,7 +255,8 @@ def test_real_web_crawl_and_shakespeare(tmp_path):
 def test_jsonl_with_byte_order_mark_keeps_first_document(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
-    result = collect(CollectConfig(sources=[str(path)], strict=True), tmp_path / "out", progress=False)
+    result = collect(CollectConfig(sources=[str(path)], strict=True), tmp_path / "out",
+                     progress=False)
     docs = list(read_documents(tmp_path / "out" / DOCUMENTS))
     assert [d["text"] for d in docs] == ["first", "second"]
     assert result.counts["skipped_malformed"] == 0

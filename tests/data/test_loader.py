@@ -15,6 +15,18 @@ import numpy as np
 import pytest
 import torch
 
+from olmoflow.data.loader import (
+    PAD_DOCUMENT,
+    Batch,
+    DataLoader,
+    InstanceDataset,
+    PackedDataset,
+    build_dataset,
+    open_documents,
+)
+from olmoflow.errors import OlmoflowError
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.olmo import IGNORE_INDEX, Olmo
 from olmoflow.train.config import (
     CheckpointConfig,
     LogConfig,
@@ -22,11 +34,6 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
-from olmoflow.data.loader import (PAD_DOCUMENT, Batch, DataLoader, InstanceDataset, PackedDataset,
-                                  build_dataset, open_documents)
-from olmoflow.errors import OlmoflowError
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import IGNORE_INDEX, Olmo
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 STRIDE = 100_000  # token value = document * STRIDE + position: a target's document is readable
@@ -48,7 +55,8 @@ def labelled_corpus(tmp_path: Path, lengths: list[int], parts: int = 2) -> list[
     """Documents whose tokens say (document, position), split over ``parts`` files."""
     docs = [np.arange(n) + d * STRIDE for d, n in enumerate(lengths)]
     cuts = np.array_split(np.arange(len(docs)), parts)
-    return [write_part(tmp_path / f"part-{k}.npy", [docs[i] for i in idx]) for k, idx in enumerate(cuts)]
+    return [write_part(tmp_path / f"part-{k}.npy", [docs[i] for i in idx])
+            for k, idx in enumerate(cuts)]
 
 
 def random_lengths(n: int, seq: int, seed: int = 0) -> list[int]:
@@ -75,7 +83,8 @@ def test_best_fit_instances_hold_every_target_once_and_never_cross_documents(tmp
         ok = labels != IGNORE_INDEX
         assert (labels[ok] == ids[ok] + 1).all(), "a target is the next token of the same document"
         targets.append(labels[ok])
-    expected = np.concatenate([np.arange(1, n) + d * STRIDE for d, n in enumerate(lengths) if n > 1])
+    expected = np.concatenate([np.arange(1, n) + d * STRIDE
+                               for d, n in enumerate(lengths) if n > 1])
     np.testing.assert_array_equal(np.sort(np.concatenate(targets)), np.sort(expected))
     real = sum(lengths[d] for d in range(len(lengths)) if lengths[d] > 1)
     assert ds.real_tokens >= real and 0 < ds.packing_efficiency <= 1
@@ -122,7 +131,7 @@ def test_padding_and_document_ids(tmp_path):
     assert DataLoader(ds, 1, seed=0).next_batch().doc_ids is None
 
 
-# --- concat instances with intra-document masking ---------------------------------------------------
+# --- concat instances with intra-document masking -------------------------------------------------
 
 
 def test_concat_masking_cuts_labels_at_document_boundaries(tmp_path):
@@ -130,11 +139,14 @@ def test_concat_masking_cuts_labels_at_document_boundaries(tmp_path):
     lengths = random_lengths(30, seq, seed=2)
     paths = labelled_corpus(tmp_path, lengths, parts=3)
     plain = DataLoader(InstanceDataset.from_paths(paths, np.dtype(np.uint32), seq), 2, seed=0)
-    masked = DataLoader(InstanceDataset.from_paths(paths, np.dtype(np.uint32), seq, documents=True), 2,
-                        seed=0, intra_document_masking=True)
+    masked = DataLoader(
+        InstanceDataset.from_paths(paths, np.dtype(np.uint32), seq, documents=True),
+        2, seed=0, intra_document_masking=True,
+    )
     doc_of = lambda t: t // STRIDE  # noqa: E731
     crossings = 0
-    for p, m in zip(all_rows(plain, plain.batches_per_epoch), all_rows(masked, plain.batches_per_epoch)):
+    for p, m in zip(all_rows(plain, plain.batches_per_epoch),
+                    all_rows(masked, plain.batches_per_epoch)):
         assert torch.equal(p.input_ids, m.input_ids) and p.doc_ids is None
         assert torch.equal(p.input_ids[:, 1:], p.labels[:, :-1])
         cross = doc_of(p.labels) != doc_of(p.input_ids)
@@ -142,7 +154,8 @@ def test_concat_masking_cuts_labels_at_document_boundaries(tmp_path):
         assert torch.equal(m.labels, p.labels.masked_fill(cross, IGNORE_INDEX))
         # doc_ids change exactly where the tokens' documents do
         ids = m.input_ids
-        assert torch.equal(m.doc_ids[:, 1:] != m.doc_ids[:, :-1], doc_of(ids[:, 1:]) != doc_of(ids[:, :-1]))
+        assert torch.equal(m.doc_ids[:, 1:] != m.doc_ids[:, :-1],
+                           doc_of(ids[:, 1:]) != doc_of(ids[:, :-1]))
     assert crossings > 0
     with pytest.raises(OlmoflowError, match="document index"):
         DataLoader(InstanceDataset.from_paths(paths, np.dtype(np.uint32), seq), 2, seed=0,
@@ -162,7 +175,7 @@ def test_a_bad_index_is_a_user_error(tmp_path):
         TrainConfig(intra_document_masking="yes")
 
 
-# --- the model sees each document alone ----------------------------------------------------------------
+# --- the model sees each document alone -----------------------------------------------------------
 
 
 def tiny_model(vocab: int = 64) -> Olmo:
@@ -177,8 +190,8 @@ def test_masked_packed_logits_and_loss_equal_documents_alone(tmp_path):
     model = tiny_model(vocab)
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, vocab, n) for n in [3, 7, 12, 20, 40, 5, 9, 2, 15, 31]]
-    ds = PackedDataset.from_paths([write_part(tmp_path / "p.npy", docs, np.uint16)], np.dtype(np.uint16),
-                                  seq, seed=0)
+    ds = PackedDataset.from_paths([write_part(tmp_path / "p.npy", docs, np.uint16)],
+                                  np.dtype(np.uint16), seq, seed=0)
     loader = DataLoader(ds, len(ds), seed=0, intra_document_masking=True)
     b = loader.next_batch()
     with torch.no_grad():
@@ -195,7 +208,8 @@ def test_masked_packed_logits_and_loss_equal_documents_alone(tmp_path):
                 cols = (d == piece).nonzero().squeeze(1)[: e - s - 1]
                 tokens = torch.from_numpy(ds._slice(s, e))[None]
                 alone = model(tokens[:, :-1], tokens[:, 1:])
-                torch.testing.assert_close(packed.logits[r, cols], alone.logits[0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(packed.logits[r, cols], alone.logits[0],
+                                           atol=1e-5, rtol=0)
                 n = e - s - 1
                 weighted_ce += alone.ce_loss.item() * n
                 weighted_loss += alone.loss.item() * n
@@ -223,7 +237,8 @@ def test_masked_concat_logits_and_loss_equal_document_fragments_alone(tmp_path):
             for doc in b.doc_ids[r].unique().tolist():
                 cols = (b.doc_ids[r] == doc).nonzero().squeeze(1)
                 alone = model(b.input_ids[r, cols][None], b.labels[r, cols][None])
-                torch.testing.assert_close(packed.logits[r, cols], alone.logits[0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(packed.logits[r, cols], alone.logits[0],
+                                           atol=1e-5, rtol=0)
                 n = int((b.labels[r, cols] != IGNORE_INDEX).sum())
                 total_ce += alone.ce_loss.item() * n
                 n_total += n
@@ -232,7 +247,7 @@ def test_masked_concat_logits_and_loss_equal_document_fragments_alone(tmp_path):
     assert packed.ce_loss.item() == pytest.approx(total_ce / n_total, abs=1e-5)
 
 
-# --- resume and ranks ----------------------------------------------------------------------------------
+# --- resume and ranks -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
@@ -248,7 +263,8 @@ def test_batch_state_resumes_exactly(tmp_path, packing):
     per_epoch = ref.batches_per_epoch
     for cut in sorted({1, 2, per_epoch - 1, per_epoch, per_epoch + 1, n - 1}):
         fresh = make()
-        fresh.load_state_dict(json.loads(json.dumps(batches[cut - 1].state)))  # as a checkpoint has it
+        # as a checkpoint has it
+        fresh.load_state_dict(json.loads(json.dumps(batches[cut - 1].state)))
         for i in range(cut, n):
             b = fresh.next_batch()
             for name in ("input_ids", "labels", "doc_ids"):
@@ -256,7 +272,8 @@ def test_batch_state_resumes_exactly(tmp_path, packing):
             assert b.state == batches[i].state
     with pytest.raises(OlmoflowError, match="seed 5, this run has seed 6"):
         DataLoader(ref.dataset, batch, seed=6).load_state_dict(batches[0].state)
-    other = build_dataset(packing, paths[:1], np.dtype(np.uint32), seq, seed=5, intra_document_masking=True)
+    other = build_dataset(packing, paths[:1], np.dtype(np.uint32), seq, seed=5,
+                          intra_document_masking=True)
     with pytest.raises(OlmoflowError, match="instances, this run has"):
         DataLoader(other, 2, seed=5).load_state_dict(batches[0].state)
 
@@ -270,9 +287,11 @@ def test_global_batch_is_the_same_whatever_the_world_size(tmp_path):
     by_world = {}
     for world in (1, 2, 4):
         ranks = [make() for _ in range(world)]  # each process runs its own loader
-        shards = [[r.next_batch().shard(rank, world) for rank, r in enumerate(ranks)] for _ in range(steps)]
+        shards = [[r.next_batch().shard(rank, world) for rank, r in enumerate(ranks)]
+                  for _ in range(steps)]
         fields = ("input_ids", "labels", "doc_ids")
-        by_world[world] = [[torch.cat([getattr(s, f) for s in step]) for f in fields] for step in shards]
+        by_world[world] = [[torch.cat([getattr(s, f) for s in step]) for f in fields]
+                           for step in shards]
     for world in (2, 4):
         for a, b in zip(by_world[1], by_world[world]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -282,7 +301,7 @@ def test_global_batch_is_the_same_whatever_the_world_size(tmp_path):
         make().next_batch().shard(2, 2)
 
 
-# --- real text ---------------------------------------------------------------------------------------
+# --- real text ------------------------------------------------------------------------------------
 
 
 def test_best_fit_on_real_text(tmp_path):
@@ -313,7 +332,7 @@ def test_best_fit_on_real_text(tmp_path):
     assert (b.labels[ends] == IGNORE_INDEX).all()  # ... and predicts nothing after it
 
 
-# --- the trainer ------------------------------------------------------------------------------------
+# --- the trainer ----------------------------------------------------------------------------------
 
 
 def test_trainer_resumes_packed_masked_training_exactly(tmp_path):
@@ -340,7 +359,8 @@ def test_trainer_resumes_packed_masked_training_exactly(tmp_path):
 
     straight = trainer(tmp_path / "a")
     straight.fit()
-    assert straight.data_state == straight.loader.state_dict() and straight.data_state["position"] == 24
+    assert (straight.data_state == straight.loader.state_dict()
+            and straight.data_state["position"] == 24)
     first = trainer(tmp_path / "b")
     fetch, calls = first.loader.next_batch, []
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from olmoflow.data.packing import (best_fit_decreasing, pad_batch, split_documents,
-                                   token_budget_batches)
+from olmoflow.data.packing import (
+    best_fit_decreasing,
+    pad_batch,
+    split_documents,
+    token_budget_batches,
+)
 from olmoflow.errors import OlmoflowError
 
 
@@ -21,7 +25,8 @@ def documents(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_pieces_make_every_token_but_the_first_a_target_once(T):
     rng = np.random.default_rng(T)
-    lengths = [1, 2, T, T + 1, T + 2, 2 * T + 1, 3 * T + 2] + rng.integers(1, 5 * T + 3, 60).tolist()
+    lengths = ([1, 2, T, T + 1, T + 2, 2 * T + 1, 3 * T + 2]
+               + rng.integers(1, 5 * T + 3, 60).tolist())
     starts, ends = documents(lengths)
     ps, pe, doc = split_documents(starts, ends, T)
     assert ((pe - ps) >= 2).all() and ((pe - ps) <= T + 1).all()
@@ -112,7 +117,9 @@ def test_token_budget_seeded_order_and_errors():
     shuffled = token_budget_batches(lengths, 300, seed=3)
     assert sorted(map(tuple, plain)) == sorted(map(tuple, shuffled))
     assert [tuple(b) for b in plain] != [tuple(b) for b in shuffled]
-    assert [tuple(b) for b in shuffled] == [tuple(b) for b in token_budget_batches(lengths, 300, seed=3)]
+    assert [tuple(b) for b in shuffled] == [
+        tuple(b) for b in token_budget_batches(lengths, 300, seed=3)
+    ]
     with pytest.raises(OlmoflowError, match="item 99 has 100 tokens.*budget of 64"):
         token_budget_batches(lengths, 64)
     with pytest.raises(OlmoflowError, match="max_tokens"):

@@ -169,7 +169,8 @@ def test_killing_the_driver_ends_its_pool_workers(tmp_path):
     # kill -9 of `olmoflow data run` (or the OOM killer) left the forkserver and every pool worker
     # running for good, each holding its memory, blocked on a queue nobody would write to again.
     proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+                            env={**os.environ,
+                                 "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2 and all(Path(f"/proc/{p}").exists() for p in workers)

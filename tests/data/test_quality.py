@@ -13,7 +13,12 @@ from olmoflow.artifacts import sha256_file  # noqa: E402
 from olmoflow.data.documents import write_documents  # noqa: E402
 from olmoflow.data.taggers import get_tagger, read_attributes, tag_shard  # noqa: E402
 from olmoflow.data.taggers.quality import (  # noqa: E402
-    MODEL_FILE, REPORT_FILE, _is_heldout, normalize, read_labeled, train_quality,
+    MODEL_FILE,
+    REPORT_FILE,
+    _is_heldout,
+    normalize,
+    read_labeled,
+    train_quality,
 )
 from olmoflow.errors import OlmoflowError  # noqa: E402
 
@@ -55,7 +60,8 @@ def test_quality_tagger_scores_heldout_keepers_higher(trained, tmp_path):
     write_documents(tmp_path / "docs.jsonl.gz", docs)
     tag_shard({"documents": str(tmp_path / "docs.jsonl.gz"), "output": str(tmp_path / "a.jsonl.gz"),
                "taggers": {"quality": {"model": str(out)}}})
-    scores = [r["attributes"]["quality__score"][0][2] for r in read_attributes(tmp_path / "a.jsonl.gz")]
+    scores = [r["attributes"]["quality__score"][0][2]
+              for r in read_attributes(tmp_path / "a.jsonl.gz")]
     assert len(scores) == len(heldout) and all(0.0 <= s <= 1.0 for s in scores)
     keep = [s for s, (_, lab) in zip(scores, heldout) if lab == 1]
     drop = [s for s, (_, lab) in zip(scores, heldout) if lab == 0]

@@ -1,5 +1,6 @@
 """Readers and the ingest shard job: every format round-trips with stable ids, the real WARC gives
-documents with URLs, and every kind of bad input is counted with file:line (strict: one-line error)."""
+documents with URLs, and every kind of bad input is counted with file:line (strict: one-line
+error)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import pytest
 
 from olmoflow.data.documents import ShardWriter, read_documents
 from olmoflow.data.readers import (
-    Input, ReadLog, ReadOptions, file_format, open_binary, parse_hf_spec, read_input,
+    Input,
+    ReadLog,
+    ReadOptions,
+    file_format,
+    open_binary,
+    parse_hf_spec,
+    read_input,
 )
 from olmoflow.data.sources import ingest_shard, ingest_tasks
 from olmoflow.data.warc import html_to_text
@@ -46,7 +53,8 @@ def http_response(html: str, status: str = "200 OK", ctype: str = "text/html; ch
 
 
 def warc_record(kind: str, uri: str, payload: bytes, n: int) -> bytes:
-    ctype = "application/http; msgtype=response" if kind == "response" else "application/warc-fields"
+    ctype = ("application/http; msgtype=response" if kind == "response"
+             else "application/warc-fields")
     head = (f"WARC/1.0\r\nWARC-Type: {kind}\r\nWARC-Record-ID: <urn:uuid:{uuid.UUID(int=n)}>\r\n"
             f"WARC-Date: 2024-04-25T16:24:{n % 60:02d}Z\r\nWARC-Target-URI: {uri}\r\n"
             f"Content-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n\r\n")
@@ -54,16 +62,20 @@ def warc_record(kind: str, uri: str, payload: bytes, n: int) -> bytes:
 
 
 def page(i: int) -> str:
-    body = "".join(f"<p>Paragraph {j} of page {i} says something worth keeping.</p>" for j in range(5))
-    return f"<html><head><title>t{i}</title></head><body><nav>menu</nav><main>{body}</main></body></html>"
+    body = "".join(f"<p>Paragraph {j} of page {i} says something worth keeping.</p>"
+                   for j in range(5))
+    return (f"<html><head><title>t{i}</title></head><body><nav>menu</nav>"
+            f"<main>{body}</main></body></html>")
 
 
 def make_warc(path: Path, n: int = 6) -> Path:
     recs = [warc_record("warcinfo", "", b"software: test\r\n", 0)]
     for i in range(1, n + 1):
         recs.append(warc_record("response", f"https://example.org/p{i}", http_response(page(i)), i))
-    recs.append(warc_record("response", "https://example.org/img", http_response("x", ctype="image/png"), 90))
-    recs.append(warc_record("response", "https://example.org/gone", http_response("<p>no</p>", "404 Not Found"), 91))
+    recs.append(warc_record("response", "https://example.org/img",
+                            http_response("x", ctype="image/png"), 90))
+    recs.append(warc_record("response", "https://example.org/gone",
+                            http_response("<p>no</p>", "404 Not Found"), 91))
     # Per-record gzip members, as Common Crawl writes them.
     path.write_bytes(b"".join(gzip.compress(r, mtime=0) for r in recs))
     return path
@@ -144,7 +156,8 @@ def test_text_file_is_one_document_and_bom_dropped(tmp_path):
 def test_warc_documents_urls_and_skipped_records(tmp_path):
     path = make_warc(tmp_path / "c.warc.gz", n=6)
     docs, rl = read(path)
-    assert [d["metadata"]["url"] for d in docs] == [f"https://example.org/p{i}" for i in range(1, 7)]
+    assert ([d["metadata"]["url"] for d in docs]
+            == [f"https://example.org/p{i}" for i in range(1, 7)])
     assert [d["id"] for d in docs] == [f"urn:uuid:{uuid.UUID(int=i)}" for i in range(1, 7)]
     assert all("Paragraph 4 of page" in d["text"] and "<p>" not in d["text"] for d in docs)
     assert docs[0]["created"] == "2024-04-25T16:24:01Z" and docs[0]["metadata"]["record"] == 2
@@ -155,7 +168,8 @@ def test_warc_documents_urls_and_skipped_records(tmp_path):
     assert read(plain, name="src/c.warc.gz")[0] == docs
     stats, shards = ingest(tmp_path, path, max_shard_bytes=300)
     assert shards == docs and len(stats["outputs"]) == 6
-    assert stats["removed"]["not_text"]["documents"] == stats["removed"]["http_status"]["documents"] == 1
+    assert (stats["removed"]["not_text"]["documents"]
+            == stats["removed"]["http_status"]["documents"] == 1)
 
 
 def test_real_warc_gives_documents_with_urls(tmp_path):
@@ -237,7 +251,8 @@ def test_hf_local_dataset_and_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(OlmoflowError, match="network access is off; set allow_network"):
         ingest(tmp_path, "hf://allenai/c4:en/validation")
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
-    with pytest.raises(OlmoflowError, match=r"needs the 'datasets' package: pip install 'olmoflow\[hf\]'"):
+    with pytest.raises(OlmoflowError,
+                       match=r"needs the 'datasets' package: pip install 'olmoflow\[hf\]'"):
         ingest(tmp_path, spec)
 
 
@@ -251,7 +266,8 @@ def bad_cases(tmp: Path) -> dict[str, tuple[Path, str, str]]:
     corrupt[-8] ^= 0xFF  # the CRC-32 in the gzip trailer
     z = zstd(jsonl_bytes(BIG))
     cases = {
-        "truncated gzip": (_write(tmp / "t.jsonl.gz", good[: len(good) // 2]), ":", "damaged gzip data"),
+        "truncated gzip": (_write(tmp / "t.jsonl.gz", good[: len(good) // 2]), ":",
+                           "damaged gzip data"),
         "corrupt gzip": (_write(tmp / "c.jsonl.gz", bytes(corrupt)), ":", "damaged gzip data"),
         "not gzip": (_write(tmp / "n.jsonl.gz", jsonl_bytes(ROWS)), ":1", "damaged gzip data"),
         "truncated zst": (_write(tmp / "t.jsonl.zst", z[: len(z) // 2]), ":", "damaged zstd data"),
@@ -268,7 +284,8 @@ def bad_cases(tmp: Path) -> dict[str, tuple[Path, str, str]]:
         "empty parquet": (_empty_parquet(tmp / "e.parquet"), "", "empty file"),
         "truncated parquet": (_truncated_parquet(tmp / "t.parquet"), ":1", "damaged Parquet file"),
         "truncated warc": (_truncated_warc(tmp), ":", "damaged WARC/gzip data"),
-        "invalid utf8 txt": (_write(tmp / "u.txt", b"ok\nline two caf\xe9\n"), ":2", "invalid UTF-8"),
+        "invalid utf8 txt": (_write(tmp / "u.txt", b"ok\nline two caf\xe9\n"), ":2",
+                             "invalid UTF-8"),
     }
     return cases
 
@@ -354,7 +371,8 @@ def test_unsupported_file_and_unknown_option(tmp_path):
     stats, docs = ingest(tmp_path, path)
     assert docs == [] and stats["error_counts"] == {"unsupported_file": 1}
     assert len(stats["outputs"]) == 1 and Path(stats["outputs"][0]).is_file()  # an empty shard
-    with pytest.raises(OlmoflowError, match="unknown ingest option 'text_feild'; did you mean 'text_field'"):
+    with pytest.raises(OlmoflowError,
+                       match="unknown ingest option 'text_feild'; did you mean 'text_field'"):
         ingest(tmp_path, write_format(tmp_path, "jsonl"), text_feild="body")
     with pytest.raises(OlmoflowError, match="no such file"):
         ingest_tasks("src", [str(tmp_path / "missing.jsonl")], tmp_path)
@@ -406,7 +424,8 @@ def test_ingest_output_depends_only_on_the_task(tmp_path):
         tasks = ingest_tasks("web", [str(src)], tmp_path / run / "documents",
                              options={"max_shard_bytes": 400})
         results = {t["name"]: ingest_shard(t) for t in tasks[::order]}
-        outs.append({n: (sha(r["outputs"]), [d["id"] for p in r["outputs"] for d in read_documents(p)])
+        outs.append({n: (sha(r["outputs"]),
+                         [d["id"] for p in r["outputs"] for d in read_documents(p)])
                      for n, r in sorted(results.items())})
     assert outs[0] == outs[1]
     assert outs[0]["web/f0.jsonl"][1][0] == "web/f0.jsonl:1"

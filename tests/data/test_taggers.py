@@ -12,7 +12,12 @@ import pytest
 
 from olmoflow.data.documents import write_documents
 from olmoflow.data.taggers import (
-    Tagger, get_tagger, read_attributes, register_tagger, tag_shard, tagger_names,
+    Tagger,
+    get_tagger,
+    read_attributes,
+    register_tagger,
+    tag_shard,
+    tagger_names,
 )
 from olmoflow.data.taggers.gopher import _ngram_stats
 from olmoflow.errors import OlmoflowError
@@ -43,7 +48,8 @@ class Shouting(Tagger):
 
 def _shard(tmp_path: Path, texts: list[str]) -> Path:
     path = tmp_path / "documents" / "web" / "0000.jsonl.gz"
-    write_documents(path, [{"id": f"d{i}", "text": t, "source": "web"} for i, t in enumerate(texts)])
+    write_documents(path, [{"id": f"d{i}", "text": t, "source": "web"}
+                           for i, t in enumerate(texts)])
     return path
 
 
@@ -191,13 +197,16 @@ def test_c4_rules_and_removed_line_spans():
 
 
 def test_decisions_agree_with_datatrove_on_web_crawl():
-    pytest.importorskip("datatrove", reason="datatrove not installed (pip install 'olmoflow[bench]')")
+    pytest.importorskip("datatrove",
+                        reason="datatrove not installed (pip install 'olmoflow[bench]')")
     pytest.importorskip("spacy", reason="spacy not installed (pip install 'olmoflow[bench]')")
     if not DATA.is_dir():
         pytest.skip(f"../shared/data absent: {DATA}")
     from datatrove.data import Document
     from datatrove.pipeline.filters import (
-        C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter,
+        C4QualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
     )
 
     texts = [json.loads(line)["text"] for line in open(DATA / "c4_demo.jsonl")][:60]

@@ -1,6 +1,6 @@
-"""The data engine end to end: configs/data/web_crawl.yaml runs ingest -> tag -> dedup -> decontaminate
--> mix -> tokenize on the web-crawl samples in a local process pool and on a local Ray instance
-with byte-identical outputs, and the report explains every dropped document.
+"""The data engine end to end: configs/data/web_crawl.yaml runs ingest -> tag -> dedup ->
+decontaminate -> mix -> tokenize on the web-crawl samples in a local process pool and on a local Ray
+instance with byte-identical outputs, and the report explains every dropped document.
 
 Three documents are planted beside the real ones so that every global step has work: an exact
 copy and a one-word-edited copy of two C4 documents (dedup: exact, MinHash) and a paragraph that

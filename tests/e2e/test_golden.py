@@ -57,13 +57,15 @@ def run_tiny(run_dir: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "olmoflow", *ARGS, "--run-dir", str(run_dir)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(ln) for ln in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(ln)
+            for ln in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()
             if ln.strip()]
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     weights = (run_dir / "release" / "model.safetensors").read_bytes()
     return {
         "setup": machine_setup(),
-        "steps": [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"]} for r in rows],
+        "steps": [{"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"]}
+                  for r in rows],
         "bpb": report["bpb"],
         "model_safetensors_sha256": hashlib.sha256(weights).hexdigest(),
     }

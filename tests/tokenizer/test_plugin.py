@@ -23,7 +23,8 @@ def test_tokenizer_class_resolution():
 def test_char_tokenizer_runs_the_whole_flow(tmp_path, capsys):
     run = tmp_path / "run"
     rc = main(["run", "tiny", "--run-dir", str(run), "--no-progress", "train.max_steps=4",
-               "train.checkpoint.save_interval=2", "tokenizer.implementation=char_tokenizer:CharTokenizer"])
+               "train.checkpoint.save_interval=2",
+               "tokenizer.implementation=char_tokenizer:CharTokenizer"])
     assert rc == 0, capsys.readouterr().err
     assert json.loads((run / "tokenizer" / "chars.json").read_text())[0] == "<|endoftext|>"
     meta = json.loads((run / "tokens" / "meta.json").read_text())

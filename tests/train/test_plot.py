@@ -1,4 +1,5 @@
-"""``olmoflow plot RUN``: valid PNG files whose curves and heatmaps hold exactly the log's numbers."""
+"""``olmoflow plot RUN``: valid PNG files whose curves and heatmaps hold exactly the log's
+numbers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch
 from PIL import Image
 
 from olmoflow.cli import main
+from olmoflow.data.loader import DataLoader, InstanceDataset
+from olmoflow.model.config import ModelConfig
+from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import (
     CheckpointConfig,
     LogConfig,
@@ -18,9 +22,6 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
-from olmoflow.data.loader import DataLoader, InstanceDataset
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import Olmo
 from olmoflow.train.loggers import read_log
 from olmoflow.train.plot import figures, matrix
 from olmoflow.train.trainer import METRICS, Trainer

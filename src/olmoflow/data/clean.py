@@ -4,8 +4,8 @@ Rules run in this order on each document, and the first that fires names the rem
 too short, too long (stripped text length in characters), duplicate (the same text, byte for byte,
 as an earlier kept document: the data engine's exact-dedup key,
 :func:`olmoflow.data.dedup.exact_key`). Kept documents are written unchanged and in their original
-order, so cleaning a cleaned file changes nothing. This is the one-machine front door; the data engine's ``dedup`` step does the
-same exact deduplication (and more) over shards.
+order, so cleaning a cleaned file changes nothing. This is the one-machine front door; the data
+engine's ``dedup`` step does the same exact deduplication (and more) over shards.
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def index_path(npy_path: Path) -> Path:
     return Path(npy_path).with_suffix(".csv.gz")
 
 
-def open_documents(paths: list[Path], dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+def open_documents(
+    paths: list[Path], dtype: np.dtype
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """Token arrays and their documents as offsets into the arrays' concatenation.
 
     Returns:
@@ -62,10 +64,11 @@ def open_documents(paths: list[Path], dtype: np.dtype) -> tuple[list[np.ndarray]
         s = np.array([r[0] for r in rows], dtype=np.int64)
         e = np.array([r[1] for r in rows], dtype=np.int64)
         if len(s) and (s[0] != 0 or e[-1] != len(a) or (s[1:] != e[:-1]).any() or (e <= s).any()):
-            raise OlmoflowError(f"{index_path(p)}: its documents do not tile the {len(a)} tokens of {p}; "
-                                "rerun 'olmoflow tokenize'")
+            raise OlmoflowError(f"{index_path(p)}: its documents do not tile the {len(a)} tokens "
+                                f"of {p}; rerun 'olmoflow tokenize'")
         if not len(s) and len(a):
-            raise OlmoflowError(f"{index_path(p)} lists no documents for the {len(a)} tokens of {p}")
+            raise OlmoflowError(f"{index_path(p)} lists no documents for the {len(a)} tokens "
+                                f"of {p}")
         if len(a):
             arrays.append(a)
             starts.append(s + offset)
@@ -141,8 +144,8 @@ class InstanceDataset(_TokenStream):
     def documents(self, i: int) -> np.ndarray:
         """``[T + 1]`` document number (global) of each token of instance ``i``."""
         if self.doc_starts is None:
-            raise OlmoflowError("intra-document masking needs the document index: build the dataset "
-                                "with InstanceDataset.from_paths(..., documents=True)")
+            raise OlmoflowError("intra-document masking needs the document index: build the "
+                                "dataset with InstanceDataset.from_paths(..., documents=True)")
         s = i * self.sequence_length
         pos = np.arange(s, s + self.sequence_length + 1, dtype=np.int64)
         return np.searchsorted(self.doc_starts, pos, side="right") - 1
@@ -221,7 +224,8 @@ def build_dataset(packing: str, paths: list[Path], dtype: np.dtype, sequence_len
                   intra_document_masking: bool = False, pad_token_id: int = 0):
     """The dataset ``train.packing`` names. Raises OlmoflowError on an unknown packing."""
     if packing == "concat":
-        return InstanceDataset.from_paths(paths, dtype, sequence_length, documents=intra_document_masking)
+        return InstanceDataset.from_paths(paths, dtype, sequence_length,
+                                          documents=intra_document_masking)
     if packing == "best_fit":
         return PackedDataset.from_paths(paths, dtype, sequence_length, seed, pad_token_id)
     raise unknown_name_error("train.packing", packing, PACKINGS)
@@ -260,8 +264,9 @@ class Batch:
         if not 0 <= rank < world_size:
             raise OlmoflowError(f"no rank {rank} of {world_size} processes")
         if B % world_size:
-            raise OlmoflowError(f"a global batch of {B} instances cannot be split over {world_size} "
-                                "processes; make train.global_batch_size a multiple of it")
+            raise OlmoflowError(f"a global batch of {B} instances cannot be split over "
+                                f"{world_size} processes; make train.global_batch_size a "
+                                "multiple of it")
         rows = slice(rank * B // world_size, (rank + 1) * B // world_size)
         return Batch(self.input_ids[rows], self.labels[rows],
                      None if self.doc_ids is None else self.doc_ids[rows], self.state)
@@ -285,13 +290,13 @@ class DataLoader:
                  intra_document_masking: bool = False):
         if len(dataset) < batch_size:
             raise OlmoflowError(
-                f"the training data holds {len(dataset)} instances of {dataset.sequence_length + 1} "
-                f"tokens, fewer than one batch of {batch_size}; add data or lower "
-                "train.global_batch_size / train.sequence_length"
+                f"the training data holds {len(dataset)} instances of "
+                f"{dataset.sequence_length + 1} tokens, fewer than one batch of {batch_size}; "
+                "add data or lower train.global_batch_size / train.sequence_length"
             )
         if intra_document_masking and not dataset.has_documents:
-            raise OlmoflowError("intra-document masking needs the document index: build the dataset "
-                                "with InstanceDataset.from_paths(..., documents=True)")
+            raise OlmoflowError("intra-document masking needs the document index: build the "
+                                "dataset with InstanceDataset.from_paths(..., documents=True)")
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
         self.intra_document_masking = intra_document_masking
         self.epoch = 0
@@ -322,18 +327,19 @@ class DataLoader:
         # Positions index instances: over other instances they would silently skip or repeat data.
         for key in ("packing", "sequence_length"):
             if key in state and state[key] != getattr(self.dataset, key):
-                raise OlmoflowError(f"the checkpoint was trained with train.{key}={state[key]}, this "
-                                    f"run has {getattr(self.dataset, key)}; resume with the same "
-                                    f"train.{key}")
+                raise OlmoflowError(f"the checkpoint was trained with train.{key}={state[key]}, "
+                                    f"this run has {getattr(self.dataset, key)}; resume with the "
+                                    f"same train.{key}")
         if int(state.get("seed", self.seed)) != self.seed:
             raise OlmoflowError(
-                f"the checkpoint's data order was drawn with seed {state['seed']}, this run has seed "
-                f"{self.seed}; resume with the same seed"
+                f"the checkpoint's data order was drawn with seed {state['seed']}, this run has "
+                f"seed {self.seed}; resume with the same seed"
             )
         if int(state.get("instances", len(self.dataset))) != len(self.dataset):
             raise OlmoflowError(
                 f"the checkpoint's data loader had {state['instances']} instances, this run has "
-                f"{len(self.dataset)}; resume with the same data, train.sequence_length and train.packing"
+                f"{len(self.dataset)}; resume with the same data, train.sequence_length and "
+                "train.packing"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = None
@@ -353,7 +359,8 @@ class DataLoader:
         if masking or self.dataset.cuts_labels_at_documents:
             docs = np.stack([self.dataset.documents(i) for i in idx])
             labels[(docs[:, 1:] != docs[:, :-1]) | (docs[:, 1:] == PAD_DOCUMENT)] = IGNORE_INDEX
-        return Batch(torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])), torch.from_numpy(labels),
+        return Batch(torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
+                     torch.from_numpy(labels),
                      torch.from_numpy(np.ascontiguousarray(docs[:, :-1])) if masking else None,
                      self.state_dict())
 

@@ -42,23 +42,23 @@ from typing import Any
 from olmoflow.artifacts import atomic_open
 from olmoflow.data.documents import encode_document
 from olmoflow.data.executor import sum_stats
+from olmoflow.data.rules import Rule, parse_rule
 from olmoflow.data.shards import (
-    RunJobs,
-    local_runner,
     ATTRIBUTES_DIR,
     DOCUMENTS_DIR,
     MAX_ERRORS_LISTED,
     MIXED_DIR,
+    RunJobs,
     attribute_path,
     document_shards,
     input_signature,
+    local_runner,
     read_records,
     shard_source,
     shard_stem,
     text_bytes,
     write_jsonl_gz,
 )
-from olmoflow.data.rules import Rule, parse_rule
 from olmoflow.errors import OlmoflowError, closest, unknown_name_error
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 from olmoflow.errors import OlmoflowError
 
 PACKINGS = ("concat", "best_fit")
-_PACKING_STREAM = 0x7061636B  # 'pack': the packing's RNG stream, apart from the (seed, epoch) orders
+# 'pack': the packing's RNG stream, apart from the (seed, epoch) orders
+_PACKING_STREAM = 0x7061636B
 
 
 def split_documents(starts: np.ndarray, ends: np.ndarray, sequence_length: int
@@ -52,11 +53,13 @@ def split_documents(starts: np.ndarray, ends: np.ndarray, sequence_length: int
     return piece_starts, piece_ends, doc
 
 
-def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def best_fit_decreasing(
+    lengths: np.ndarray, capacity: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack items into as few bins of ``capacity`` as the best-fit decreasing heuristic finds.
 
-    Items are taken longest first (ties in an order drawn from ``seed``); each goes into the open bin
-    with the least room that still fits it, or a new bin. The result depends only on
+    Items are taken longest first (ties in an order drawn from ``seed``); each goes into the open
+    bin with the least room that still fits it, or a new bin. The result depends only on
     ``(lengths, capacity, seed)``. Any-fit guarantee (tested): no two bins fit into one.
 
     Args:

@@ -162,7 +162,7 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# ---- histograms -------------------------------------------------------------------------------------
+# ---- histograms ----------------------------------------------------------------------------------
 
 
 def _read_jsonl_gz(path: Path) -> Iterator[dict[str, Any]]:

@@ -32,8 +32,16 @@ from tqdm import tqdm
 from olmoflow.artifacts import MANIFEST, StageResult
 from olmoflow.data.documents import DOCUMENTS, ShardWriter, write_documents
 from olmoflow.data.readers import (
-    FORMATS, HF_PREFIX, MALFORMED, Input, ReadLog, ReadOptions, file_format, hf_label,
-    python_version, read_input,
+    FORMATS,
+    HF_PREFIX,
+    MALFORMED,
+    Input,
+    ReadLog,
+    ReadOptions,
+    file_format,
+    hf_label,
+    python_version,
+    read_input,
 )
 from olmoflow.errors import OlmoflowError, unknown_name_error
 

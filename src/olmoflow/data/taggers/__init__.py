@@ -74,7 +74,8 @@ class Tagger:
         return f"{self.name}__{name}"
 
     def tag(self, doc: dict[str, Any]) -> dict[str, Spans]:
-        """Attributes of one Dolma document: ``{"<tagger>__<name>": [[start, end, score], ...]}``."""
+        """Attributes of one Dolma document:
+        ``{"<tagger>__<name>": [[start, end, score], ...]}``."""
         raise NotImplementedError
 
 

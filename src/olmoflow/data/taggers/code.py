@@ -11,7 +11,8 @@
 (``AKIA``/``ASIA`` + 16 upper-case alphanumerics), ``aws_secret_key`` (a 40-character base64 value
 assigned to a name containing ``aws`` and ``secret``), ``private_key`` (a whole ``-----BEGIN ...
 PRIVATE KEY-----`` block), ``github_token`` (``ghp_``/``gho_``/``ghu_``/``ghs_``/``ghr_`` + 36, or
-``github_pat_`` + 82 characters), ``slack_token`` (``xoxb-``/``xoxp-``/``xoxa-``/``xoxr-``/``xoxs-``),
+``github_pat_`` + 82 characters), ``slack_token``
+(``xoxb-``/``xoxp-``/``xoxa-``/``xoxr-``/``xoxs-``),
 and ``api_key``: a quoted value of 20+ characters assigned to a name like ``api_key``, ``token``,
 ``secret`` or ``password`` whose Shannon entropy is at least ``min_entropy`` bits per character
 (default 3.5, as detect-secrets' high-entropy plugins use ~3-4.5); its score is the entropy.
@@ -46,7 +47,8 @@ SECRETS = {
         r"(?i)aws[\w.-]{0,20}secret[\w.-]{0,20}[\"']?\s*[:=]\s*[\"']?([A-Za-z0-9/+=]{40})(?![A-Za-z0-9/+=])"
     ),
     "private_key": re.compile(
-        r"-----BEGIN (?:[A-Z]+ )*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?-----END (?:[A-Z]+ )*PRIVATE KEY(?: BLOCK)?-----"
+        r"-----BEGIN (?:[A-Z]+ )*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?"
+        r"-----END (?:[A-Z]+ )*PRIVATE KEY(?: BLOCK)?-----"
     ),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36}|github_pat_[A-Za-z0-9_]{82})\b"),
     "slack_token": re.compile(r"\bxox[bpars]-[A-Za-z0-9-]{10,}\b"),

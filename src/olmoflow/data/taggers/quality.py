@@ -4,10 +4,10 @@ As in DCLM (Li et al. 2024), a supervised fastText classifier separates "keep" (
 "drop" (label 0) documents; the ``quality`` tagger scores each document with P(label 1).
 :func:`train_quality` reads DCLM-style JSONL (``{"text": ..., "label": 0|1}`` per line), splits
 the examples deterministically into train and held-out (by a hash of the normalized text; a text
-seen twice is kept once, so no text is both trained on and tested on), trains with one thread and a fixed
-seed (fastText is then deterministic), and writes ``quality.bin`` and ``quality_report.json``
-(held-out accuracy, the majority-class baseline, precision/recall of label 1, sizes and
-hyper-parameters) atomically into ``out_dir``.
+seen twice is kept once, so no text is both trained on and tested on), trains with one thread and
+a fixed seed (fastText is then deterministic), and writes ``quality.bin`` and
+``quality_report.json`` (held-out accuracy, the majority-class baseline, precision/recall of
+label 1, sizes and hyper-parameters) atomically into ``out_dir``.
 
 Binding: ``fasttext-numpy2`` (the fastText 0.9 C++ library with its Python binding fixed for
 numpy 2; the wheel datatrove also uses), since the original ``fasttext`` package breaks on numpy 2.

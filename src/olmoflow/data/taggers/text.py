@@ -14,9 +14,9 @@ decisions built on it agree with datatrove's on >= 99.8% of documents (``benchma
 measures it); the remaining differences are spaCy special cases not reproduced here (icon
 characters as infixes, tokenizer exceptions such as ``gonna`` -> ``gon na``).
 
-:func:`count_sentences` applies spaCy's ``Sentencizer`` rule to these tokens: a new sentence starts at
-the first non-punctuation token after a token that is a sentence-final character (``.``, ``!``,
-``?`` and the other characters of spaCy's default list).
+:func:`count_sentences` applies spaCy's ``Sentencizer`` rule to these tokens: a new sentence
+starts at the first non-punctuation token after a token that is a sentence-final character
+(``.``, ``!``, ``?`` and the other characters of spaCy's default list).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import unicodedata
 # "symbol" and does not count as a word in the Gopher quality rules.
 PUNCTUATION = (
     "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»"
-    + "".join(map(chr, (x for a, b in ((0, 9), (11, 13), (13, 32), (127, 160)) for x in range(a, b))))
+    + "".join(map(chr, (x for a, b in ((0, 9), (11, 13), (13, 32), (127, 160))
+                        for x in range(a, b))))
     + "᪩？⁈𑩂．꩞𑅃﹗𑂾\u1b7d፧\U00010f87𑗐៙᰻"
 )
 
@@ -41,8 +42,9 @@ SENTENCE_PUNCT = frozenset(
 # Multi-letter abbreviations that spaCy's English tokenizer keeps with their period.
 _ABBREVIATIONS = (
     "Adm Ak Ala Apr Ariz Ark Aug Bros Calif Co Colo Conn Corp Dec Del Dr Feb Fla Ga Gen Gov Ia Id "
-    "Ill Inc Ind Jan Jr Jul Jun Kan Kans Ky La Ltd Mar Mass Md Messrs Mich Minn Miss Mo Mont Mr Mrs "
-    "Ms Mt Neb Nebr Nev Nov Oct Okla Ore Pa Ph.D Prof Rep Rev Sen Sep Sept St Tenn Va Wash Wis co vs"
+    "Ill Inc Ind Jan Jr Jul Jun Kan Kans Ky La Ltd Mar Mass Md Messrs Mich Minn Miss Mo Mont Mr "
+    "Mrs Ms Mt Neb Nebr Nev Nov Oct Okla Ore Pa Ph.D Prof Rep Rev Sen Sep Sept St Tenn Va Wash "
+    "Wis co vs"
 ).split()
 # spaCy's char_classes.UNITS (Latin-script part) plus am/pm: split off a number they end.
 _UNITS = (
