@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from olmoflow.errors import OlmoflowError
 from olmoflow.infer.generate import generate
 from olmoflow.infer.quantize import memory_footprint, quantize_model, top1_agreement
 from olmoflow.model.config import ModelConfig
@@ -75,3 +76,31 @@ def test_from_pretrained_load_in_8bit(tmp_path):
     assert type(q.lm_head) is torch.nn.Linear  # the head stays in full precision
     ids = torch.randint(0, 128, (1, 12))
     assert q.generate(ids, max_new_tokens=4).shape == (1, 16)
+
+
+@pytest.mark.parametrize("load, lib, kind", [
+    ({"load_in_8bit": True}, "bitsandbytes", "bitsandbytes Int8Params"),
+    ({"quantization": "torchao"}, "torchao", "torchao Int8Tensor"),
+])
+def test_saving_a_quantized_model_is_refused_before_anything_is_created(tmp_path, load, lib,
+                                                                         kind):
+    """int8 weights with their scales have no place in the Hugging Face OLMo format: one line
+    naming the way out, and no (empty) directory left behind."""
+    pytest.importorskip(lib, reason=f"{lib} is not installed (pip install 'olmoflow[quant]')")
+    torch.manual_seed(0)
+    model = Olmo(ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=2, mlp_hidden=128,
+                             max_sequence_length=64, sliding_window=16))
+    model.save_pretrained(tmp_path / "m")
+    q = Olmo.from_pretrained(tmp_path / "m", **load)
+    out = tmp_path / "out" / "q"
+    with pytest.raises(OlmoflowError) as err:
+        q.save_pretrained(out)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"cannot save a quantized model (blocks.0.attention.w_q.weight is a "
+                          f"{kind}): save the unquantized model and quantize when loading it")
+    assert not (tmp_path / "out").exists()
+    # the message's way out works: the unquantized model saves, and quantizes again at load
+    model.save_pretrained(out)
+    assert type(Olmo.from_pretrained(out, **load).blocks[0].attention.w_q).__name__ == \
+        type(q.blocks[0].attention.w_q).__name__

@@ -240,6 +240,28 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+# Packages whose tensor types hold quantized weights (int8 data plus scales, or a subclass that
+# dequantizes on the fly): bitsandbytes ``Int8Params``, torchao ``Int8Tensor`` and kin.
+_QUANTIZED_PACKAGES = ("bitsandbytes", "torchao")
+
+
+def quantized_weight(model: torch.nn.Module) -> str | None:
+    """Describe the first quantized parameter of ``model`` (``"blocks.0.attention.w_q.weight is a
+    bitsandbytes Int8Params"``), or None when every parameter is a plain float tensor.
+
+    A parameter is quantized when its type comes from bitsandbytes or torchao, or when it is not a
+    floating-point tensor (an Olmo has no integer parameters or buffers of its own).
+    """
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        package = type(t).__module__.split(".")[0]
+        if package in _QUANTIZED_PACKAGES or not t.is_floating_point():
+            # torchao's subclasses report the dtype they dequantize to: name the type instead
+            kind = (f"{package} {type(t).__name__}" if package in _QUANTIZED_PACKAGES
+                    else f"{str(t.dtype).removeprefix('torch.')} tensor")
+            return f"{name} is a {kind}"
+    return None
+
+
 def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
                 pad_token_id: int | None = None, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``path``.
@@ -248,10 +270,22 @@ def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
     ``module.``. Weights keep the model's dtype unless ``dtype`` is given. Each file is written
     atomically (for a whole directory written atomically see
     :func:`olmoflow.release.export.export_hf`). Returns the files written.
+
+    Raises:
+        OlmoflowError: the model is quantized (bitsandbytes or torchao int8), checked before
+            anything is created. Its int8 weights and scales have no place in the Hugging Face
+            OLMo format, and dequantizing them would save the rounding error as if it were the
+            model: save the unquantized model and quantize when loading.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     bare = unwrap_model(model)
+    quantized = quantized_weight(bare)
+    if quantized is not None:
+        raise OlmoflowError(
+            f"cannot save a quantized model ({quantized}): save the unquantized model and "
+            "quantize when loading it (Olmo.from_pretrained(dir, load_in_8bit=True) or "
+            "quantization='torchao')")
+    path.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype else v).detach().cpu() for k, v in model.state_dict().items()}
     hf_state = to_hf_state_dict(state)
     dt = str(hf_state["model.embed_tokens.weight"].dtype).removeprefix("torch.")

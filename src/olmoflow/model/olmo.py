@@ -377,7 +377,14 @@ class Olmo(nn.Module):
         return model.eval()
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
-        """Write the model in Hugging Face format (``config.json``, ``model.safetensors``)."""
+        """Write the model in Hugging Face format (``config.json``, ``model.safetensors``);
+        ``kwargs`` go to :func:`olmoflow.model.hf.save_hf_dir`.
+
+        Raises:
+            OlmoflowError: the model was quantized (``load_in_8bit=True`` or
+                ``quantization="torchao"``); nothing is created. Save the unquantized model and
+                quantize when loading.
+        """
         from olmoflow.model.hf import save_hf_dir
 
         save_hf_dir(self, path, **kwargs)

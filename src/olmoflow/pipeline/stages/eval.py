@@ -24,7 +24,8 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     ``report.md``.
 
     Raises:
-        OlmoflowError: the held-out split is shorter than one evaluation window.
+        OlmoflowError: the held-out split has nothing to score, or ``evaluate.stride`` exceeds
+            the evaluation window.
     """
     from olmoflow.data.loader import open_token_arrays
     from olmoflow.eval.perplexity import evaluate_tokens
@@ -33,14 +34,20 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     paths, dtype = token_split(cfg, "heldout")
     arrays = [np.asarray(a) for a in open_token_arrays(paths, dtype)]
     tokens = np.concatenate(arrays or [np.zeros(0)])
-    seq = cfg.eval_sequence_length
+    seq, stride = cfg.eval_sequence_length, cfg.evaluate.stride
+    if stride is not None and stride > seq:
+        # evaluate.sequence_length may be unset (the training length): checked once it is known
+        raise OlmoflowError(f"evaluate.stride={stride} exceeds the evaluation window of {seq} "
+                            "tokens (evaluate.sequence_length, else train.sequence_length)")
     try:
         report = evaluate_tokens(lambda x: model(x).logits, tokens, tok.token_byte_lengths(),
-                                 sequence_length=seq, batch_size=cfg.evaluate.batch_size,
+                                 sequence_length=seq, stride=stride,
+                                 batch_size=cfg.evaluate.batch_size,
                                  max_tokens=cfg.evaluate.max_tokens)
     except ValueError as e:
-        raise OlmoflowError(f"evaluate: {e}; lower evaluate.sequence_length") from None
-    report = {"checkpoint": ckpt.name, "split": "heldout", "sequence_length": seq, **report}
+        raise OlmoflowError(f"evaluate: {e}") from None
+    # the window, the stride and the count of scored targets travel with the numbers
+    report = {"checkpoint": ckpt.name, "split": "heldout", **report}
     out = stage_dir(cfg, "evaluate")
     atomic_write_json(out / REPORT, report)
     md = ["| metric | value |", "|---|---|"] + [
