@@ -49,3 +49,31 @@ def test_manifest_paths_are_relative_inside_the_parent_and_absolute_outside(tmp_
     m = json.loads((out / "manifest.json").read_text())
     assert [r["path"] for r in m["inputs"]] == ["up/a.txt", str(tmp_path / "outside.txt")]
     assert m["outputs"][0]["path"] == "c.txt"
+
+
+def test_a_stage_is_incomplete_once_an_input_or_output_changes(tmp_path):
+    """A finished stage is skipped only while its outputs and its still-existing inputs are the
+    files its manifest recorded: editing a token array in place reruns the stage that read it."""
+    from olmoflow.artifacts import is_complete, write_manifest
+
+    run = tmp_path / "run"
+    (run / "up").mkdir(parents=True)
+    (run / "stage").mkdir()
+    inside, outside = run / "up" / "tokens.npy", tmp_path / "external.npy"
+    inside.write_bytes(b"\1\2\3\4")
+    outside.write_bytes(b"\5\6")
+    out = run / "stage" / "model.bin"
+    out.write_bytes(b"weights")
+    write_manifest(run / "stage", stage="s", command="c", config={}, fingerprint="fp",
+                   inputs=[inside, outside], outputs=[out], counts={}, started="t")
+    assert is_complete(run / "stage", "fp") and not is_complete(run / "stage", "other")
+    for path, edited in ((inside, b"\1\2\3\5"), (outside, b"\5\7"), (out, b"weightz")):
+        original = path.read_bytes()
+        path.write_bytes(edited)  # same size, other content
+        assert not is_complete(run / "stage", "fp"), path
+        path.write_bytes(original)
+        assert is_complete(run / "stage", "fp")
+    outside.unlink()  # a deleted input: nothing contradicts the output made from it
+    assert is_complete(run / "stage", "fp")
+    out.unlink()
+    assert not is_complete(run / "stage", "fp")

@@ -85,3 +85,25 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path):
     path.write_text("legacy:\n  steps: 1\n   x: [\n")
     with pytest.raises(OlmoflowError, match=r"bad.yaml:\d+: invalid YAML"):
         load_tree(str(path))
+
+
+def test_a_new_spelling_given_later_wins_over_an_old_one(tmp_path, capsys):
+    """An old-style file still takes new-style overrides, and the later of two spellings of one key
+    wins: each source is upgraded before it is merged."""
+    path = tmp_path / "old.yaml"
+    path.write_text("legacy:\n  learning_rate: 0.1\n")
+    tree = load_tree(str(path), ["legacy.inner.lr=0.2"], schema=Root)
+    assert from_dict(Root, tree).legacy.inner.lr == 0.2
+    tree = load_tree(None, ["legacy.inner.lr=0.3", "legacy.learning_rate=0.4"], schema=Root)
+    assert from_dict(Root, tree).legacy.inner.lr == 0.4
+    tree = load_tree(None, ["legacy.learning_rate=0.4", "legacy.inner.lr=0.3"], schema=Root)
+    assert from_dict(Root, tree).legacy.inner.lr == 0.3
+
+
+def test_rename_notes_are_printed_on_rank_zero_only(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    note_renamed("a.only_on_rank_zero", "a.b")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    note_renamed("a.only_on_rank_zero_too", "a.b")
+    assert "a.only_on_rank_zero_too" in capsys.readouterr().err

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,36 @@ def _umask() -> int:
 
 
 _UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
+# The temporaries of atomic_path: ".{final name}.{mkstemp's random letters}.tmp" beside the final
+# file. A process killed between creating and renaming one leaves it behind; nothing else in the
+# project names a file this way, so a folder's owner may delete them (remove_stale_temporaries).
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
+
+
+def is_atomic_temporary(name: str) -> bool:
+    """Whether a file name has the form of an :func:`atomic_path` temporary
+    (``.latest.k3j_a9zq.tmp``)."""
+    return bool(_TEMPORARY.match(name))
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the :func:`atomic_path` temporaries directly in ``folder`` (files only, not
+    recursive) and return them: leftovers of writes killed before their rename.
+
+    Call it only on a folder no other process is writing into at that moment (a run's own folder
+    at its start or save): a live write's temporary would vanish under it.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = sorted(p for p in folder.iterdir() if is_atomic_temporary(p.name) and p.is_file()
+                   and not p.is_symlink())
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return stale
 
 
 @contextlib.contextmanager
@@ -117,8 +149,97 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name: Linux's ``/proc/cpuinfo`` (``model name``, or ``Hardware`` /
+    ``Processor`` on some ARM kernels), macOS's ``machdep.cpu.brand_string``, else what
+    :func:`platform.processor` says (``"unknown"`` when nothing does)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(cpuinfo, encoding="utf-8") as f:
+            fields: dict[str, str] = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), " ".join(value.split()))
+        for key in ("model name", "Hardware", "Processor", "cpu model"):
+            if fields.get(key):
+                return fields[key]
+    if sys.platform == "darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                 capture_output=True, text=True, timeout=5)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _torch_math(torch: Any) -> dict[str, str]:
+    """The kernels torch computes with: its BLAS/LAPACK (``torch.__config__.show()``'s build
+    settings), the math libraries it was built with (MKL, oneDNN, OpenMP, ...), the CPU
+    instruction set its kernels dispatch to, and the GPUs with CUDA (or ROCm) and cuDNN."""
+    env: dict[str, str] = {}
+    with contextlib.suppress(Exception):  # a torch build without __config__ or backends.cpu
+        text = torch.__config__.show()
+        for key, value in re.findall(r"\b(BLAS_INFO|LAPACK_INFO)=([^,\s]+)", text):
+            env[f"torch_{key.split('_')[0].lower()}"] = value
+        # "  - Intel(R) oneAPI Math Kernel Library Version 2024.2 ...", "  - OpenMP 201511", ...:
+        # every library line, not the compiler, the build flags or "X is enabled".
+        libs = [ln.strip()[2:] for ln in text.splitlines() if ln.strip().startswith("- ")
+                and not ln.strip()[2:].startswith(("GCC", "clang", "MSVC", "C++", "Build settings",
+                                                   "CPU capability"))
+                and " is enabled" not in ln]
+        if libs:
+            env["torch_math_libraries"] = "; ".join(libs)
+    with contextlib.suppress(Exception):
+        env["torch_cpu_capability"] = str(torch.backends.cpu.get_cpu_capability())
+    cuda = getattr(torch.version, "cuda", None) or getattr(torch.version, "hip", None)
+    with contextlib.suppress(Exception):
+        if cuda and torch.cuda.is_available():
+            env["gpu"] = "; ".join(torch.cuda.get_device_name(i)
+                                   for i in range(torch.cuda.device_count()))
+            env["torch_cuda"] = str(cuda)
+            if torch.backends.cudnn.is_available():
+                env["torch_cudnn"] = str(torch.backends.cudnn.version())
+    return env
+
+
+def _numpy_math(numpy: Any) -> dict[str, str]:
+    """The BLAS and LAPACK numpy was built with (``numpy.show_config(mode="dicts")``, numpy >= 1.26;
+    nothing on older ones)."""
+    env: dict[str, str] = {}
+    with contextlib.suppress(Exception):
+        deps = numpy.show_config(mode="dicts")["Build Dependencies"]
+        for lib in ("blas", "lapack"):
+            if deps.get(lib, {}).get("name"):
+                env[f"numpy_{lib}"] = f"{deps[lib]['name']} {deps[lib].get('version', '')}".strip()
+    return env
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> tuple[tuple[str, str], ...]:
+    """:func:`environment`'s hardware and math-library part: fixed for a process, so read once."""
+    env = {"cpu": cpu_model(), "cpu_count": str(os.cpu_count())}
+    for mod, read in (("torch", _torch_math), ("numpy", _numpy_math)):
+        m = sys.modules.get(mod)
+        if m is None:
+            with contextlib.suppress(ImportError):
+                m = __import__(mod)
+        if m is not None:
+            env.update(read(m))
+    return tuple(env.items())
+
+
+# Thread-count settings that change how a reduction is split, hence its rounding.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def environment() -> dict[str, str]:
-    """Versions of Python, the platform and the libraries that shape results."""
+    """What shapes the numbers a run makes, as one-line strings: the versions of Python, the
+    platform and the libraries; the CPU model and core count; torch's BLAS/LAPACK, math libraries
+    and CPU instruction set; numpy's BLAS/LAPACK; the GPUs, CUDA and cuDNN when CUDA is there; and
+    the thread-count environment variables that are set.
+
+    Results are bit-exact only on the same machine setup (same CPU model, libraries, thread count):
+    other kernels round differently. Recorded in every manifest so a difference can be traced.
+    """
     env = {"python": sys.version.split()[0], "platform": platform.platform()}
     for mod in ("torch", "numpy", "tokenizers", "safetensors", "transformers"):
         m = sys.modules.get(mod)
@@ -127,7 +248,10 @@ def environment() -> dict[str, str]:
                 m = __import__(mod)
         if m is not None:
             env[mod] = getattr(m, "__version__", "unknown")
-    return env
+    env.update(_machine())
+    env.update({k.lower(): os.environ[k] for k in _THREAD_VARIABLES if os.environ.get(k)})
+    # One line each: the release writes them as "key: value" lines of environment.txt.
+    return {k: " ".join(str(v).split()) for k, v in env.items()}
 
 
 def file_record(path: Path, root: Path) -> dict[str, Any]:
@@ -202,17 +326,30 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
 def is_complete(out_dir: Path, fingerprint: str) -> bool:
     """True when ``out_dir`` holds a finished stage made from the same config and inputs.
 
-    Checks the manifest's fingerprint and that every recorded output exists with its recorded size
-    and sha256, so a truncated or edited output makes the stage run again.
+    Checks the manifest's fingerprint; that every recorded output exists with its recorded size
+    and sha256, so a truncated or edited output makes the stage run again; and that every recorded
+    input that still exists has its recorded size and sha256, so an input edited in place (a token
+    array, a source file) is noticed even by a stage run alone. An input that is gone says nothing
+    against the output made from it.
     """
     manifest = read_manifest(out_dir)
     if manifest is None or manifest.get("fingerprint") != fingerprint:
         return False
     for rec in manifest.get("outputs", []):
-        p = Path(out_dir) / rec["path"]
-        if not p.is_file() or p.stat().st_size != rec["bytes"] or sha256_file(p) != rec["sha256"]:
+        if not _matches(Path(out_dir) / rec["path"], rec):
+            return False
+    for rec in manifest.get("inputs", []):
+        p = Path(out_dir).parent / rec["path"]  # inputs are relative to the run dir, or absolute
+        if p.is_file() and not _matches(p, rec):
             return False
     return True
+
+
+def _matches(path: Path, rec: dict[str, Any]) -> bool:
+    """Whether ``path`` is the file ``rec`` (``{bytes, sha256}``) records; the size first, as the
+    cheap check."""
+    return (path.is_file() and path.stat().st_size == rec.get("bytes")
+            and sha256_file(path) == rec.get("sha256"))
 
 
 @dataclasses.dataclass

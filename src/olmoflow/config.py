@@ -16,6 +16,7 @@ of rules:
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -31,9 +32,12 @@ _NOTED: set[tuple[str, str]] = set()
 
 
 def note_renamed(old: str, new: str) -> None:
-    """Tell the user once per process that config key ``old`` is now spelt ``new``."""
+    """Tell the user once per process (under torchrun: on rank 0 only) that config key ``old`` is
+    now spelt ``new``."""
     if (old, new) not in _NOTED:
         _NOTED.add((old, new))
+        if os.environ.get("RANK", "0") != "0":
+            return
         print(f"olmoflow: note: config key '{old}' is now '{new}'", file=sys.stderr)
 
 
@@ -143,6 +147,29 @@ def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | N
     return cls(**kwargs)
 
 
+def upgrade_tree(cls: type, tree: Any, prefix: str = "") -> Any:
+    """``tree`` with every section's older key spellings rewritten by its ``upgrade_keys`` (see the
+    module docstring), recursively; what is not a mapping is returned as it is (``from_dict``
+    reports it)."""
+    if not isinstance(tree, dict):
+        return tree
+    upgrade = getattr(cls, "upgrade_keys", None)
+    tree = upgrade(dict(tree), prefix) if upgrade is not None else dict(tree)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(tree.get(f.name), dict):
+            tree[f.name] = upgrade_tree(hints[f.name], tree[f.name], f"{prefix}{f.name}.")
+    return tree
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge key by key, anything else in ``top`` replaces."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     """Set ``a.b.c = value`` in a nested mapping, creating sections; a mapping merges into one."""
     parts = key.split(".")
@@ -214,16 +241,31 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
 
 
 def load_tree(name_or_path: str | None, overrides: list[str] | None = None,
-              values: dict[str, Any] | None = None, subdir: str = "") -> dict[str, Any]:
+              values: dict[str, Any] | None = None, subdir: str = "",
+              schema: type | None = None) -> dict[str, Any]:
     """The raw config mapping: a YAML file or preset, then ``key=value`` overrides (values parsed
-    as YAML), then ``values`` (dotted key -> Python value, what CLI flags set), in that order."""
+    as YAML), then ``values`` (dotted key -> Python value, what CLI flags set), in that order: a
+    later value wins.
+
+    With ``schema`` (the root dataclass), the file and each override are brought to the current
+    key spellings (:func:`upgrade_tree`) before they are merged, so an old spelling and a new one
+    of the same key never both survive: ``train.lr=1e-3 train.optimizer.lr=5e-3`` is 5e-3, and an
+    old-style file still takes new-style overrides.
+    """
+    def upgraded(tree: dict[str, Any]) -> dict[str, Any]:
+        return upgrade_tree(schema, tree) if schema is not None else tree
+
     tree: dict[str, Any] = {}
     if name_or_path:
-        tree = read_yaml_mapping(resolve_preset(name_or_path, subdir))
-    for ov in overrides or []:
-        set_dotted(tree, *parse_override(ov))
-    for key, value in (values or {}).items():
-        set_dotted(tree, key, value)
+        tree = upgraded(read_yaml_mapping(resolve_preset(name_or_path, subdir)))
+    pairs = [parse_override(ov) for ov in overrides or []] + list((values or {}).items())
+    for key, value in pairs:
+        if schema is None:
+            set_dotted(tree, key, value)
+            continue
+        part: dict[str, Any] = {}
+        set_dotted(part, key, value)
+        tree = merge(tree, upgraded(part))
     return tree
 
 

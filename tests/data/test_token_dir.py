@@ -116,3 +116,22 @@ def test_open_token_dir_opens_the_main_flow_and_names_what_is_missing(corpus, tm
         open_token_dir(tmp_path)
     with pytest.raises(OlmoflowError, match="did you mean 'heldout'"):
         td.split("heldot")
+
+
+def test_a_cut_or_grown_token_array_is_refused(corpus, tmp_path):
+    """An array whose size disagrees with the token count meta.json records would train on other
+    tokens than its index describes: refused with one line."""
+    root, path = corpus
+    out = root / "tokens"
+    tokenize(TokenizeConfig(heldout_fraction=0.2), path, root / "tokenizer", out, seed=1,
+             progress=False)
+    array = out / "train" / "part-00000.npy"
+    data = array.read_bytes()
+    array.write_bytes(data[:1000])
+    with pytest.raises(OlmoflowError, match=r"part-00000.npy: 1000 bytes, but meta.json records"):
+        open_token_dir(out)
+    array.write_bytes(data + b"\0\0")
+    with pytest.raises(OlmoflowError, match="damaged or changed"):
+        open_token_dir(out)
+    array.write_bytes(data)
+    assert open_token_dir(out).train == [array]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tolerance import assert_fp32_close, assert_greedy_agrees, forward_terms, fp32_rel
 
 from olmoflow.infer.generate import generate, top_k_top_p_filter
 from olmoflow.model.config import ModelConfig
@@ -31,7 +32,8 @@ def test_decode_equals_full_forward(model, backend):
     finally:
         for b in model.blocks:
             b.attention.backend = "sdpa"
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+    # Other shapes, so other sums: two ulps per accumulated term of the logits (tolerance.py).
+    assert_fp32_close(torch.cat(parts, 1), full, forward_terms(model.config, 40), 2)
 
 
 def test_left_padded_batch_matches_single_prompts(model):
@@ -44,8 +46,15 @@ def test_left_padded_batch_matches_single_prompts(model):
         ids[i, T - len(p):] = p
         mask[i, T - len(p):] = 1
     batched = generate(model, ids, attention_mask=mask, max_new_tokens=15)[:, T:]
-    for i in range(3):
-        assert torch.equal(batched[i], singles[i])
+    for i, p in enumerate(prompts):
+        # Padded and alone are other shapes, so other sums: the same tokens wherever the logits'
+        # bound (tolerance.py) cannot flip the argmax.
+        alone = torch.cat([p, singles[i]])[None]
+        with torch.no_grad():
+            logits = model(alone).logits
+        atol = fp32_rel(forward_terms(model.config, alone.shape[1]), 2) * float(logits.abs().max())
+        assert assert_greedy_agrees(torch.cat([p, batched[i]])[None], alone, logits, atol,
+                                    len(p)) > 0
 
 
 def test_max_length_counts_prompt(model):
@@ -103,11 +112,15 @@ def test_lm_loss_matches_reference_formula():
     lse = torch.logsumexp(logits, -1)[valid]
     ref_ce = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
     ref_z = 1e-2 * (lse**2).mean()
-    torch.testing.assert_close(ce, ref_ce)
-    torch.testing.assert_close(z, ref_z)
+    # Another kernel for the same sums: the logsumexp over 11 logits and the mean over the 13
+    # targets, two ulps per term (exp and log rounded their own way); the gradient goes back
+    # through them (tolerance.py).
+    terms = 11 + int(valid.sum())
+    assert_fp32_close(ce, ref_ce, terms, 2)
+    assert_fp32_close(z, ref_z, terms, 2)
     g1 = torch.autograd.grad(loss, logits)[0]
     g2 = torch.autograd.grad(ref_ce + ref_z, logits)[0]
-    torch.testing.assert_close(g1, g2)
+    assert_fp32_close(g1, g2, terms, 4)
 
 
 def test_padded_vocab_rows_are_never_generated(model):

@@ -101,7 +101,8 @@ def test_training_run_names_indexes_and_prunes_checkpoints(tmp_path):
     for r in rows:
         step = int(r["step"])
         assert int(r["tokens"]) == metrics[step]["tokens"] == step * TOKENS_PER_STEP
-        assert float(r["loss"]) == pytest.approx(metrics[step]["loss"], abs=1e-6)
+        # The index writes 6 decimals: within half of 1e-6 of the logged float (no other path).
+        assert float(r["loss"]) == pytest.approx(metrics[step]["loss"], abs=5e-7 + 1e-12)
         assert r["saved_at"].endswith("+00:00")
     # The state a checkpoint carries besides model and optimizer.
     state = torch.load(tmp_path / names[12] / "trainer_state.pt", weights_only=False)

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from resume_helpers import build_model, make_trainer, read_metrics
+from resume_helpers import (
+    SEQ,
+    build_model,
+    make_trainer,
+    read_metrics,
+    tiny_model_config,
+    train_config,
+)
+from tolerance import forward_terms, fp32_rel
 
 from olmoflow.train.checkpoint import load_model, resolve_checkpoint
 
@@ -17,8 +26,12 @@ def test_compiled_blocks_train_like_eager_and_save_plain_checkpoints(tmp_path):
                for b in compiled.model.blocks), "every block is compiled"
     compiled.fit()
     a, b = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
-    for step in (1, 2, 3):  # fused kernels round differently; the training is the same
-        assert abs(a[step]["loss"] - b[step]["loss"]) < 1e-4, step
+    # Fused kernels sum in another order and vectorise exp/rsqrt with their own roundings: within
+    # two fp32 ulps per accumulated term of the loss (tolerance.py); the training is the same.
+    cfg = train_config()
+    rel = fp32_rel(forward_terms(tiny_model_config(), SEQ, tokens=cfg.global_batch_size * SEQ), 2)
+    for step in (1, 2, 3):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=rel, abs=0), step
     # The checkpoint loads into a plain (uncompiled) model: no "_orig_mod." in its keys.
     plain = build_model(seed=1)
     load_model(resolve_checkpoint(tmp_path / "compiled", "latest"), plain)

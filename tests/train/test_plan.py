@@ -16,6 +16,7 @@ from olmoflow.train.plan import (
     activation_bytes_per_token,
     block_bytes_per_token,
     memory_plan,
+    plan_config,
     saved_activation_bytes,
 )
 
@@ -134,3 +135,13 @@ def test_official_configs_match_presets_and_the_launch_guide():
         assert cfg.model == preset and cfg.model.num_params() == params
         assert cfg.train.parallel.data_parallel == "fsdp"
         assert plan_config(cfg, gpus) in guide, f"docs/launch.md is out of date for {name}"
+
+
+def test_plan_uses_the_runs_own_vocabulary():
+    """A preset whose model takes its vocabulary from the tokenizer is planned with the
+    tokenizer's size (tiny: 512), not OLMo's 100,352."""
+    from dataclasses import replace
+
+    cfg = load_config("tiny")
+    want = replace(cfg.model, vocab_size=cfg.model.padded_vocab_size(cfg.tokenizer.vocab_size))
+    assert f"parameters {want.num_params():,};" in plan_config(cfg, 1)

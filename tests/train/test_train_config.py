@@ -3,6 +3,7 @@ OLMo's finetuning form, and closest-key errors inside a section."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -87,12 +88,13 @@ def test_unknown_key_in_a_section_names_the_closest(override, hint):
     assert hint in str(e.value) and "\n" not in str(e.value)
 
 
-def test_train_data_is_a_list_of_token_directories():
+def test_train_data_is_a_list_of_token_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert load_config("tiny").train.data == []
     assert load_config("tiny", ["train.data=runs/data/web/tokens"]).train.data == [
-        "runs/data/web/tokens"]
-    assert load_config("tiny", ["train.data=[a/tokens, b/tokens]"]).train.data == ["a/tokens",
-                                                                                  "b/tokens"]
+        str(tmp_path / "runs/data/web/tokens")]
+    assert load_config("tiny", ["train.data=[a/tokens, b/tokens]"]).train.data == [
+        str(tmp_path / "a/tokens"), str(tmp_path / "b/tokens")]
 
 
 def test_olmo_finetuning_form_loads(tmp_path, notes):
@@ -104,7 +106,7 @@ def test_olmo_finetuning_form_loads(tmp_path, notes):
                     "optimizer:\n  type: adamw\n  lr: 1.0e-5\n")
     cfg = load_config(str(path))
     t = cfg.train
-    assert t.data == ["your_data.jsonl"]
+    assert t.data == [os.path.abspath("your_data.jsonl")]  # relative to the working directory
     assert t.global_batch_size == 4 and t.micro_batch_size == 4  # a batch of 4 as one micro-batch
     assert t.optimizer.type == "adamw" and t.optimizer.lr == 1e-5
     assert t.optimizer.weight_decay == 0.1  # the rest of the section keeps its defaults
@@ -138,3 +140,45 @@ def test_reading_a_config_imports_no_training_code():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_new_key_overrides_an_old_style_file(tmp_path):
+    """A YAML written with the old flat keys (and string sections) still takes nested overrides,
+    and on the command line the later spelling wins."""
+    path = tmp_path / "flat.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  save_interval: 3\n  beta1: 0.8\n"
+                    "  optimizer: muon\n  schedule: wsd\n")
+    cfg = load_config(str(path), ["train.optimizer.lr=5e-3", "train.checkpoint.save_interval=7",
+                                  "train.optimizer.betas=[0.5, 0.6]", "train.schedule.type=cosine"])
+    t = cfg.train
+    assert (t.optimizer.lr, t.checkpoint.save_interval, t.optimizer.betas) == (5e-3, 7, [0.5, 0.6])
+    assert (t.optimizer.type, t.schedule.type) == ("muon", "cosine")
+    assert load_config("tiny", ["train.lr=1e-3", "train.optimizer.lr=5e-3"]).train.optimizer.lr \
+        == 5e-3
+    assert load_config("tiny", ["train.optimizer.lr=5e-3", "train.lr=1e-3"]).train.optimizer.lr \
+        == 1e-3
+
+
+def test_train_data_paths_are_absolute_and_named_once(tmp_path, monkeypatch):
+    """A relative train.data means the same directories from any later working directory (the
+    fingerprint and the saved config hold the absolute path); a directory named twice or an empty
+    path is refused."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny", ["train.data=toks"])
+    assert cfg.train.data == [str(tmp_path / "toks")]
+    assert load_config("tiny", [f"train.data={tmp_path / 'toks'}"]).train.data == cfg.train.data
+    with pytest.raises(OlmoflowError, match="train.data names '.*toks' twice"):
+        load_config("tiny", [f"train.data=[toks, {tmp_path / 'toks'}]"])
+    with pytest.raises(OlmoflowError, match="train.data has an empty path"):
+        load_config("tiny", ["train.data="])
+
+
+def test_a_config_without_run_dir_gets_its_own(tmp_path, monkeypatch):
+    """A config file that names no run_dir writes to runs/<its name>, never into another
+    preset's run (the finetuning form of OLMo's docs has no run_dir)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_finetune.yaml").write_text("train:\n  max_steps: 3\n")
+    assert load_config("my_finetune.yaml").run_dir == "runs/my_finetune"
+    assert load_config("olmo3_7b").run_dir == "runs/olmo3_7b"
+    assert load_config("demo").run_dir == "runs/demo"
+    assert load_config("my_finetune.yaml", ["run_dir=x"]).run_dir == "x"

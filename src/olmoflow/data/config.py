@@ -176,7 +176,7 @@ def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None
         OlmoflowError: a missing file, invalid YAML (file and line), an unknown key (with the
             closest valid key) or a bad value.
     """
-    tree = load_tree(str(path), overrides, values, subdir="data")
+    tree = load_tree(str(path), overrides, values, subdir="data", schema=DataConfig)
     universe = all_keys(DataConfig)
     sources = tree.pop("sources", [])
     if not isinstance(sources, list):

@@ -340,6 +340,10 @@ def open_token_dir(path: str | Path, implementation: str | None = None) -> Token
         if key not in meta:
             raise OlmoflowError(f"{root / META} has no '{key}': not a tokens directory of this "
                                 "olmoflow (rerun tokenize)")
+    try:
+        itemsize = np.dtype(meta["dtype"]).itemsize
+    except TypeError:
+        raise OlmoflowError(f"{root / META}: unknown dtype {meta['dtype']!r}; rerun tokenize") from None
     arrays = {}
     for s in SPLITS:
         files = meta["splits"].get(s, {}).get("files", [])
@@ -352,7 +356,13 @@ def open_token_dir(path: str | Path, implementation: str | None = None) -> Token
             if not p.is_file():
                 raise OlmoflowError(f"{root}: token array '{rec['path']}' listed in {META} is "
                                     "missing")
-            if rec.get("tokens") != 0 and p.stat().st_size:
+            size, want = p.stat().st_size, rec.get("tokens")
+            # A cut or appended array would train silently on other tokens than the index says.
+            if isinstance(want, int) and size != want * itemsize:
+                raise OlmoflowError(f"{p}: {size} bytes, but {META} records {want} tokens "
+                                    f"({want * itemsize} bytes): the array was damaged or changed; "
+                                    "rerun tokenize")
+            if want != 0 and size:
                 arrays[s].append(p)
     tok_meta = meta.get("tokenizer") or {}
     tok_dir = root / tok_meta.get("path", "../tokenizer")

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmoflow.config import all_keys, from_dict, load_tree, note_renamed, parse_override, to_yaml
+from olmoflow.config import all_keys, from_dict, load_tree, note_renamed, resolve_preset, to_yaml
 from olmoflow.data.config import CleanConfig, CollectConfig, TokenizeConfig
 from olmoflow.errors import OlmoflowError
 from olmoflow.eval.config import EvalConfig
@@ -22,7 +22,7 @@ from olmoflow.infer.config import GenerateConfig
 from olmoflow.model.config import ModelConfig
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.tokenizer.config import TokenizerConfig
-from olmoflow.train.config import SECTION_TYPES, TrainConfig
+from olmoflow.train.config import TrainConfig
 
 
 @dataclass
@@ -107,20 +107,11 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
         OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
             value of the wrong type.
     """
-    overrides = [_upgrade_override(o) for o in overrides or []]
-    tree = load_tree(name_or_path, overrides, values)
+    tree = load_tree(name_or_path, overrides, values, schema=RunConfig)
+    if name_or_path and "run_dir" not in tree:
+        # A config that names no run directory gets its own, never another preset's.
+        tree["run_dir"] = f"runs/{resolve_preset(name_or_path).stem}"
     return from_dict(RunConfig, tree, universe=all_keys(RunConfig))
-
-
-def _upgrade_override(text: str) -> str:
-    """``train.schedule=wsd`` (the old form) -> ``train.schedule.type=wsd``: applied as it is, the
-    string would replace the preset's whole ``train.schedule`` section and drop its other keys."""
-    key, value = parse_override(text)
-    for section, where in SECTION_TYPES.items():
-        if key == f"train.{section}" and not isinstance(value, dict):
-            note_renamed(key, f"train.{where}")
-            return f"train.{where}={text.split('=', 1)[1]}"
-    return text
 
 
 def dump_config(cfg: RunConfig) -> str:

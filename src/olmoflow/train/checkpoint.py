@@ -10,7 +10,9 @@ older ``stepN`` form are still read.
 A checkpoint is written under a temporary name and renamed when complete; then older checkpoints
 are pruned (``keep_every``/``keep_last``), ``checkpoints.csv`` (every checkpoint ever saved, kept or
 pruned) is rewritten atomically, and ``latest`` (a text file naming the newest checkpoint) is
-written last. A crash mid-save therefore never leaves a checkpoint that a resume would trust.
+written last. A crash mid-save therefore never leaves a checkpoint that a resume would trust; what
+it does leave (hidden temporaries) the next run's start or save removes
+(:func:`remove_stale_leftovers`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from olmoflow.artifacts import atomic_write_text
+from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries
 from olmoflow.errors import OlmoflowError
 from olmoflow.train import distributed
 
@@ -123,7 +125,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
     Args:
         trainer_state: must hold ``tokens_seen`` (used in the name); saved with the RNG states.
         stage: the name's prefix (``train.checkpoint.stage``).
-        loss: the training loss at this step, recorded in ``checkpoints.csv``.
+        loss: the training loss at this step, recorded in ``checkpoints.csv`` (6 decimals) and,
+            exactly, in the trainer state (:func:`checkpoint_loss` reads it back).
         keep_every, keep_last: see :func:`prune_checkpoints`.
     Returns:
         The checkpoint directory.
@@ -135,6 +138,7 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
     # prunes directories and writes the index, and the barriers keep the others out meanwhile.
     main = distributed.is_main()
     if main:
+        remove_stale_leftovers(save_folder)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
@@ -142,7 +146,7 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
     dcp.save({"model": model_state, "optim": optim_state},
              checkpoint_id=str(tmp / "model_and_optim"))
     if main:
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
+        torch.save({**trainer_state, "rng": rng_state(), "loss": loss}, tmp / TRAINER_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
         if final.exists():  # a step saved again (e.g. after resuming an earlier checkpoint)
             trash = final.with_name(f".{final.name}.pruned")
@@ -161,6 +165,44 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         atomic_write_text(save_folder / LATEST, final.name + "\n")
     distributed.barrier()
     return final
+
+
+def remove_stale_leftovers(save_folder: Path) -> list[Path]:
+    """Delete what killed saves left in ``save_folder`` and return it: temporaries of the atomic
+    writes (``.latest.*.tmp``, ``.checkpoints.csv.*.tmp``, ``.metrics.jsonl.*.tmp``), checkpoint
+    directories never renamed into place (``.{checkpoint name}.tmp``) and half-pruned ones
+    (``.{checkpoint name}.pruned``). Nothing else is touched: only names of those forms.
+
+    For the run's own folder, on one process (rank 0), while no save is under way: at a run's start
+    and at each save.
+    """
+    save_folder = Path(save_folder)
+    stale = remove_stale_temporaries(save_folder)
+    if not save_folder.is_dir():
+        return stale
+    for p in sorted(save_folder.iterdir()):
+        name, dot, kind = p.name[1:].rpartition(".")
+        if (p.name.startswith(".") and dot and kind in ("tmp", "pruned") and p.is_dir()
+                and not p.is_symlink() and parse_checkpoint_name(name) is not None):
+            shutil.rmtree(p, ignore_errors=True)
+            stale.append(p)
+    return stale
+
+
+def checkpoint_loss(path: Path) -> float | None:
+    """The training loss at the step of checkpoint ``path``: exact from its trainer state, else
+    (checkpoints saved before the trainer state held it) its row of ``checkpoints.csv`` (6
+    decimals); None when neither has it.
+
+    Raises:
+        OlmoflowError: the trainer state is damaged.
+    """
+    path = Path(path)
+    loss = read_trainer_state(path).get("loss")
+    if loss is not None:
+        return float(loss)
+    rows = [r for r in read_index(path.parent) if r.get("name") == path.name and r.get("loss")]
+    return float(rows[-1]["loss"]) if rows else None
 
 
 def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,

@@ -12,6 +12,7 @@ still read: :meth:`TrainConfig.upgrade_keys` moves each to its new place with a 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -265,6 +266,7 @@ class TrainConfig:
 
         if self.packing not in PACKINGS:
             raise unknown_name_error(f"{p}.packing", self.packing, PACKINGS)
+        self.data = _absolute_paths(self.data, f"{p}.data")
 
 
 def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -282,3 +284,23 @@ def _put(data: dict[str, Any], where: str, value: Any) -> None:
         _section(data, section)[key] = value
     else:
         data[where] = value
+
+
+def _absolute_paths(paths: list[str], key: str) -> list[str]:
+    """``paths`` made absolute against the current directory, so a run's fingerprint and its saved
+    config name the same directories from wherever they are read again.
+
+    Raises:
+        OlmoflowError: an empty path, or one directory named twice (it would be trained on twice).
+    """
+    out: list[str] = []
+    for raw in paths:
+        if not str(raw).strip():
+            raise OlmoflowError(f"{key} has an empty path; give token directories (or leave it "
+                                "out to train on the run's own tokens)")
+        path = os.path.abspath(os.path.expanduser(str(raw)))
+        if path in out:
+            raise OlmoflowError(f"{key} names '{raw}' twice; each token directory is read once "
+                                "per epoch already")
+        out.append(path)
+    return out

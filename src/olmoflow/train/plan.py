@@ -264,8 +264,10 @@ def format_plans(plans: list[MemoryPlan], gpu_memory_gb: float, title: str = "")
 def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0) -> str:
     """``olmoflow plan``: the DDP and FSDP plans of a run config on ``gpus`` GPUs, as text.
 
-    The model's ``vocab_size`` 0 (taken from the tokenizer at pretrain time) is planned as the
-    OLMo vocabulary padded to 100,352. The activation-checkpointing column uses
+    A model ``vocab_size`` of 0 (taken from the tokenizer at pretrain time) is planned as the
+    vocabulary the run will have: that of the ``train.data`` tokens' tokenizer when given, else
+    ``tokenizer.vocab_size``, padded to ``model.vocab_pad_multiple``. The activation-checkpointing
+    column uses
     ``train.activation_checkpointing`` (every block when it is 0).
 
     Raises:
@@ -273,14 +275,13 @@ def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0) -> str:
     """
     from dataclasses import replace
 
-    from olmoflow.model.config import OLMO_VOCAB_SIZE
-
     if gpus < 1:
         raise OlmoflowError(f"--gpus must be >= 1, got {gpus}")
     if not 0 < gpu_memory_gb < float("inf"):
         raise OlmoflowError(f"--gpu-memory-gb must be a number of GB > 0, got {gpu_memory_gb}")
-    mc = run_cfg.model if run_cfg.model.vocab_size > 0 else replace(run_cfg.model,
-                                                                    vocab_size=OLMO_VOCAB_SIZE)
+    mc = run_cfg.model
+    if mc.vocab_size <= 0:
+        mc = replace(mc, vocab_size=mc.padded_vocab_size(_tokenizer_vocab(run_cfg)))
     t = run_cfg.train
     if t.global_batch_size % gpus:
         raise OlmoflowError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
@@ -296,3 +297,11 @@ def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0) -> str:
              f"{t.global_batch_size} x {t.sequence_length} tokens = {per_rank} per GPU"
              + (f" = {accum} micro-batch(es) of {mb}" if accum else ""))
     return format_plans(plans, gpu_memory_gb, title)
+
+
+def _tokenizer_vocab(run_cfg) -> int:
+    """The vocabulary size the run's tokenizer has (``train.data``) or will have (``tokenizer``)."""
+    from olmoflow.data.tokenize import open_token_dir
+
+    sizes = [open_token_dir(d).meta.get("vocab_size") for d in run_cfg.train.data]
+    return max([v for v in sizes if isinstance(v, int)], default=run_cfg.tokenizer.vocab_size)

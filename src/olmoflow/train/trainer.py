@@ -32,8 +32,10 @@ from olmoflow.train.callbacks import Callback
 from olmoflow.train.checkpoint import (
     LATEST,
     check_save_folder,
+    checkpoint_loss,
     load_checkpoint,
     read_trainer_state,
+    remove_stale_leftovers,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -200,11 +202,20 @@ class Trainer:
         if saved and saved != self._schedule_state() and self.dist.is_main:
             log.warning("resuming %s with a changed lr schedule: %s -> %s", path.name, saved,
                         self._schedule_state())
+        # The loss of the checkpoint's step is the run's final loss when no step is left to train
+        # (a resume at max_steps): exact from the trainer state or the log line of that step, else
+        # (older checkpoints, no log) rounded from checkpoints.csv.
+        self.last_loss = state.get("loss")
         metrics = self.save_folder / METRICS
         if metrics.is_file() and self.dist.is_main:  # drop lines written after the checkpoint
             lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
             kept = [ln for ln in lines if json.loads(ln)["step"] <= self.step]
             atomic_write_text(metrics, "".join(ln + "\n" for ln in kept))
+            if self.last_loss is None:
+                at_step = [r for ln in kept if (r := json.loads(ln))["step"] == self.step]
+                self.last_loss = at_step[-1].get("loss") if at_step else None
+        if self.last_loss is None:
+            self.last_loss = checkpoint_loss(path)
         return path
 
     def train_step(self, batch: Any) -> dict[str, float]:
@@ -299,6 +310,8 @@ class Trainer:
         threads = torch.get_num_threads()
         # Processes on one node share its cores.
         check_save_folder(self.save_folder, METRICS)  # fail now, not at the first save
+        if self.dist.is_main:  # what a killed save left: no save is under way yet
+            remove_stale_leftovers(self.save_folder)
         torch.set_num_threads(cfg.num_threads
                               or max(1, (os.cpu_count() or 1) // self.dist.local_world_size))
         if cfg.checkpoint.resume_from:
@@ -317,7 +330,7 @@ class Trainer:
         previous = _install_sigint(lambda *_: (stop.append(True), _install_sigint(previous)))
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="pretrain", unit="step",
                    disable=not (self.progress and self.dist.is_main), dynamic_ncols=True)
-        start, window_t, window_tokens, last = time.time(), time.time(), 0, {}
+        start, window_t, window_tokens = time.time(), time.time(), 0
         interrupted = False
         try:
             while self.step < cfg.max_steps:
@@ -347,7 +360,7 @@ class Trainer:
                     log_file.log(m, self.step)
                     bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
                                     tok_s=f"{m['tokens_per_s']:.0f}")
-                    window_t, window_tokens, last = now, 0, m
+                    window_t, window_tokens = now, 0
                 every = cfg.checkpoint.save_interval
                 if every and self.step % every == 0 and self.step < cfg.max_steps:
                     self.save()
@@ -361,7 +374,8 @@ class Trainer:
             print(f"\ninterrupted at step {self.step}: saved {final}; run the same command again "
                   "(or add resume_from=latest) to resume", flush=True)
             raise KeyboardInterrupt
-        return {"steps": self.step, "tokens": self.tokens_seen, "final_loss": last.get("loss"),
+        # last_loss, not the last log line: a resume at max_steps trains and logs nothing.
+        return {"steps": self.step, "tokens": self.tokens_seen, "final_loss": self.last_loss,
                 "checkpoint": str(final), "elapsed_s": time.time() - start}
 
 

@@ -70,10 +70,23 @@ def data_summary(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
         return sum(int(s.get(n, {}).get(key) or 0) for s in splits for n in names)
 
     return {"documents": total("documents"), "bytes": total("bytes"),
-            "sources": [f"{d.root} ({len(lin['raw_files'])} raw source file(s))"
+            "sources": [f"{d.root}: {_raw_summary(lin)}"
                         for d, lin in zip(dirs, manifest["lineage"], strict=True)],
             "train_tokens": total("tokens", ("train",)),
             "heldout_tokens": total("tokens", ("heldout",))}
+
+
+def _raw_summary(lineage: dict) -> str:
+    """``"7 raw source files, 16 evaluation files read for decontamination"``: raw files that only
+    the decontamination step read are the eval sets checked against, not training text."""
+    readers: dict[str, set] = {}
+    for step in lineage["steps"]:
+        for inp in step["inputs"]:
+            if inp.get("made_by") is None:
+                readers.setdefault(inp["path"], set()).add(step.get("stage"))
+    reference = sum(1 for stages in readers.values() if stages == {"decontaminate"})
+    text = f"{len(lineage['raw_files']) - reference} raw source file(s)"
+    return text + (f", {reference} evaluation file(s) read for decontamination" if reference else "")
 
 
 def run_release(cfg: RunConfig, progress: bool) -> StageResult:
