@@ -1,8 +1,15 @@
 """Byte-level BPE on the Hugging Face ``tokenizers`` library.
 
-The pipeline is GPT-2 style and lossless: no normalizer, a ByteLevel pre-tokenizer (no prefix space,
-GPT-2 regex) and a ByteLevel decoder, so ``decode(encode(t)) == t`` for any text. Training seeds the
-vocabulary with all 256 byte symbols, so no input is ever unknown.
+The pipeline is lossless: no normalizer, a pre-tokenizer that only cuts text into pieces and maps
+bytes to GPT-2's byte symbols, and a ByteLevel decoder, so ``decode(encode(t)) == t`` for any text.
+Training seeds the vocabulary with all 256 byte symbols, so no input is ever unknown.
+
+The split (``pre_tokenizer``) of a new tokenizer is OLMo 2/3's (the dolma2 tokenizer's, itself
+cl100k's): ``Split(CL100K_PATTERN, "isolated")`` then ``ByteLevel(use_regex=False)``, exactly the
+``pre_tokenizer`` of dolma2's ``tokenizer.json``. ``pre_tokenizer="gpt2"`` gives the older
+``ByteLevel(use_regex=True)`` (GPT-2's regex). Training and encoding go through the same
+pre-tokenizer, saved in ``tokenizer.json``: a loaded tokenizer encodes with the split it was saved
+with, so tokenizers trained before cl100k became the default encode exactly as before.
 
 Special tokens in user text: the literal string ``<|endoftext|>`` (or ``<|pad|>``) inside a
 document is encoded as ordinary text, never as the special id (``tokenizers``'
@@ -23,16 +30,60 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from olmoflow.artifacts import atomic_write_json, atomic_write_text
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.tokenizer.base import DEFAULT_EOS, DEFAULT_PAD, BaseTokenizer
+from olmoflow.tokenizer.config import PRE_TOKENIZERS
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
+
+# cl100k's split as the ``tokenizers`` library (Oniguruma) spells it in the tokenizer.json of
+# dolma2 and of Llama 3 (tiktoken's current copy is a later, possessive spelling of it).
+# Alternatives in order: English contractions; a letter run with at most one leading character
+# that is neither a letter, a digit nor a newline (" the", "_name", "(x"); 1-3 digits; a
+# punctuation run with an optional leading space and the newlines after it (".\n\n");
+# whitespace ending in newlines ("\n\n", "  \n"); a whitespace run that leaves its last space
+# to the next word; any other whitespace.
+CL100K_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def build_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+    """The byte-level pre-tokenizer called ``name`` (one of :data:`PRE_TOKENIZERS`): ``cl100k``
+    (OLMo 2/3's split on :data:`CL100K_PATTERN`, then bytes to symbols) or ``gpt2`` (GPT-2's
+    ByteLevel regex). Neither adds a prefix space, so both are lossless.
+
+    Raises:
+        OlmoflowError: an unknown name.
+    """
+    if name == "cl100k":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(CL100K_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if name == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raise unknown_name_error("tokenizer.pre_tokenizer", name, PRE_TOKENIZERS)
+
+
+def pre_tokenizer_name(tok: _HFTokenizer) -> str | None:
+    """Which of :data:`PRE_TOKENIZERS` ``tok`` splits with, or None for any other pre-tokenizer
+    (a foreign model's). Compared on the serialized form, as saved in ``tokenizer.json``."""
+    if tok.pre_tokenizer is None:
+        return None
+    # Only the pre-tokenizer is serialized; a whole 100k-token vocabulary would take a while.
+    saved = json.loads(tok.pre_tokenizer.__getstate__())
+    for name in PRE_TOKENIZERS:
+        if saved == json.loads(build_pre_tokenizer(name).__getstate__()):
+            return name
+    return None
 
 
 class BPETokenizer(BaseTokenizer):
@@ -45,6 +96,13 @@ class BPETokenizer(BaseTokenizer):
             corpus may yield fewer tokens (no pair left with ``min_frequency`` occurrences).
         min_frequency: a pair is merged only if it occurs at least this often.
         eos_token, pad_token, model_max_length: see :class:`BaseTokenizer`.
+        pre_tokenizer: the split training uses, ``"cl100k"`` (default) or ``"gpt2"`` (see
+            :func:`build_pre_tokenizer`). A trained ``tokenizer`` encodes with its own
+            pre-tokenizer whatever this says; :meth:`from_pretrained` sets it to the saved one's
+            name when it is one of these.
+
+    Raises:
+        OlmoflowError: an unknown ``pre_tokenizer``.
     """
 
     def __init__(
@@ -56,8 +114,12 @@ class BPETokenizer(BaseTokenizer):
         eos_token: str = DEFAULT_EOS,
         pad_token: str = DEFAULT_PAD,
         model_max_length: int = 1_000_000,
+        pre_tokenizer: str = "cl100k",
     ) -> None:
         super().__init__(eos_token, pad_token, model_max_length)
+        if pre_tokenizer not in PRE_TOKENIZERS:
+            raise unknown_name_error("tokenizer.pre_tokenizer", pre_tokenizer, PRE_TOKENIZERS)
+        self.pre_tokenizer = pre_tokenizer
         self._tok = tokenizer
         if tokenizer is not None:
             tokenizer.encode_special_tokens = True  # see the module docstring
@@ -82,7 +144,8 @@ class BPETokenizer(BaseTokenizer):
         length: int | None = None,
         progress: bool = False,
     ) -> BPETokenizer:
-        """Train a fresh vocabulary on ``texts`` (any iterable, consumed once); returns self.
+        """Train a fresh vocabulary on ``texts`` (any iterable, consumed once), split by
+        ``self.pre_tokenizer``; returns self.
 
         ``length`` (number of texts, if known) only drives the progress bar.
 
@@ -100,7 +163,7 @@ class BPETokenizer(BaseTokenizer):
             )
         # No unk token and no normalizer: every byte has a symbol and text is kept exactly.
         tok = _HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.pre_tokenizer = build_pre_tokenizer(self.pre_tokenizer)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
@@ -211,6 +274,7 @@ class BPETokenizer(BaseTokenizer):
             pad = eos  # common for released models without a pad token
         max_len = config.get("model_max_length")
         out = cls(tok, eos_token=eos, pad_token=pad)
+        out.pre_tokenizer = pre_tokenizer_name(tok) or out.pre_tokenizer
         if isinstance(max_len, int):
             out.model_max_length = max_len
         return out

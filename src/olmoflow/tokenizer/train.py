@@ -26,7 +26,7 @@ def train_tokenizer(
 
     Args:
         cfg: implementation, vocab size (special tokens included), min pair frequency, EOS and
-            pad tokens.
+            pad tokens, and the BPE's pre-tokenizer split.
         docs_path: a documents file (gzipped JSONL, as read by ``read_documents``) or a list of
             them (the data engine's mixed shards), read in order.
         out_dir: receives ``tokenizer.json``, ``tokenizer_config.json`` and
@@ -61,7 +61,8 @@ def train_tokenizer(
 
     cls = tokenizer_class(cfg.implementation)
     if issubclass(cls, BPETokenizer):
-        tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
+        tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token,
+                  pre_tokenizer=cfg.pre_tokenizer)
         tok.train_from_texts(
             texts(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, progress=progress
         )
