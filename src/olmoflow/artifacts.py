@@ -360,3 +360,99 @@ class StageResult:
     inputs: list[Path]
     outputs: list[Path]
     counts: dict[str, Any]
+
+
+# ---- an exclusive lock on a directory ------------------------------------------------------------
+
+#: The lock file :func:`directory_lock` holds in a run directory or data-engine output.
+LOCK_FILE = ".olmoflow-lock"
+# Resolved lock paths this process holds -> how many nested holders; a nested hold is free.
+_HELD: dict[str, int] = {}
+
+
+def _holder(text: str) -> str:
+    """``pid 123, 'olmoflow run tiny', since 2026-...`` from a lock file's JSON, or what is
+    known."""
+    try:
+        info = json.loads(text)
+        if not isinstance(info, dict):
+            raise ValueError
+    except ValueError:
+        return "a process that has not said who it is yet"
+    parts = [f"pid {info.get('pid', '?')}"]
+    if info.get("host"):
+        parts[0] += f" on {info['host']}"
+    if info.get("command"):
+        parts.append(repr(" ".join(str(info["command"]).split())[:200]))
+    if info.get("started"):
+        parts.append(f"since {info['started']}")
+    return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str | os.PathLike, *, command: str | None = None,
+                   what: str = "directory") -> Iterator[Path]:
+    """Hold an exclusive lock on ``directory`` (which must exist) while the block runs; yield the
+    lock file.
+
+    The lock is ``fcntl.flock`` on ``directory/.olmoflow-lock``: the kernel releases it when the
+    process ends in any way (kill -9 included), so a stale lock never blocks a rerun. The holder
+    writes its pid, host, command (default: ``sys.argv``) and start time into the file, for the
+    message another process gets. Nested holds in one process (a stage run inside a whole run)
+    are free. The file itself is left in place: deleting a lock file races with a process that
+    has just opened it. Where ``fcntl`` does not exist (Windows) nothing is locked.
+
+    Args:
+        what: how the message names the directory (``"run directory"``).
+    Raises:
+        OlmoflowError: another process holds the lock (the message names it), or the lock file
+            cannot be opened.
+    """
+    from olmoflow.errors import OlmoflowError
+
+    path = Path(directory) / LOCK_FILE
+    key = os.path.realpath(path)
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield path
+        finally:
+            _HELD[key] -= 1
+        return
+    try:
+        import fcntl
+    except ImportError:  # no flock here: run unlocked rather than not at all
+        yield path
+        return
+    try:
+        # Opened without truncating: until the lock is ours the file names the holder.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise OlmoflowError(f"cannot lock {what} '{directory}': {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = ""
+            with contextlib.suppress(OSError):
+                text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            raise OlmoflowError(
+                f"{what} '{directory}' is in use by another olmoflow process ({_holder(text)}); "
+                "wait for it to finish or stop it") from None
+        except OSError as e:  # a file system without locks (some network mounts)
+            raise OlmoflowError(f"cannot lock {what} '{directory}': {e.strerror or e}") from None
+        info = {"pid": os.getpid(), "host": platform.node(),
+                "command": command if command is not None else " ".join(sys.argv),
+                "started": now()}
+        with contextlib.suppress(OSError):  # the lock holds even if the note cannot be written
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
+        _HELD[key] = 1
+        try:
+            yield path
+        finally:
+            del _HELD[key]
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # no stale holder named once it is free
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="dotted config overrides, e.g. train.max_steps=200")
         sp.add_argument("--data", action="append", metavar="PATH",
                         help="collect from a file, directory or glob instead of the stdlib corpus")
+        sp.add_argument("--follow-symlinks", action="store_true",
+                        help="read files behind symbolic links that lead out of a --data "
+                        "directory (skipped otherwise; collect.follow_symlinks)")
         sp.add_argument("--strict", action="store_true",
                         help="malformed input lines are errors (file and line named), not skipped")
         sp.add_argument("--run-dir", help="where the run's artifacts go (run_dir)")
@@ -200,6 +203,8 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         values["collect.sources"] = args.data
     if args.strict:
         values["collect.strict"] = True
+    if args.follow_symlinks:
+        values["collect.follow_symlinks"] = True
     if args.run_dir:
         values["run_dir"] = args.run_dir
     force = args.force

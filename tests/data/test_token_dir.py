@@ -135,3 +135,21 @@ def test_a_cut_or_grown_token_array_is_refused(corpus, tmp_path):
         open_token_dir(out)
     array.write_bytes(data)
     assert open_token_dir(out).train == [array]
+
+
+def test_a_tokens_directory_naming_code_is_not_loaded_unless_trusted(corpus):
+    """meta.json may come from someone else: a tokenizer implementation other than the built-in
+    one is imported only when the user's own config names the same one."""
+    root, path = corpus
+    out = root / "tokens"
+    tokenize(TokenizeConfig(heldout_fraction=0.2), path, root / "tokenizer", out, seed=1,
+             progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["tokenizer"]["implementation"] = "os:system"
+    (out / "meta.json").write_text(json.dumps(meta))
+    td = open_token_dir(out)
+    with pytest.raises(OlmoflowError, match="names tokenizer implementation 'os:system'.*"
+                                            "tokenizer.implementation=os:system"):
+        td.load_tokenizer()
+    with pytest.raises(OlmoflowError):  # trusted, it is resolved (and os.system is no tokenizer)
+        td.load_tokenizer(trusted="os:system")

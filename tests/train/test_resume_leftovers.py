@@ -21,7 +21,7 @@ from resume_helpers import make_trainer, read_metrics
 from test_cli import cli, doc_text, write_jsonl
 
 from olmoflow.artifacts import is_atomic_temporary
-from olmoflow.train.checkpoint import INDEX, LATEST, TRAINER_STATE, list_checkpoints
+from olmoflow.train.checkpoint import CHECKSUMS, INDEX, LATEST, TRAINER_STATE, list_checkpoints
 from olmoflow.train.trainer import METRICS
 
 STEPS = 4
@@ -66,9 +66,10 @@ def test_pretrain_stage_rerun_at_its_last_step_keeps_final_loss(tmp_path, capsys
 def drop_loss_from_trainer_state(folder):
     """Make the final checkpoint look like one saved before the trainer state held the loss."""
     path = list_checkpoints(folder)[-1] / TRAINER_STATE
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     del state["loss"]
     torch.save(state, path)
+    (path.parent / CHECKSUMS).unlink()  # nor did it record checksums
 
 
 def test_older_checkpoint_final_loss_from_log_then_index(tmp_path):

@@ -36,6 +36,9 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--workers", type=int, help="processes / Ray CPUs (default: all cores)")
         sp.add_argument("--strict", action="store_true",
                         help="stop at the first bad input (file and line named)")
+        sp.add_argument("--follow-symlinks", action="store_true",
+                        help="read files behind symbolic links that lead out of a source "
+                        "directory (skipped otherwise; the source option follow_symlinks)")
         sp.add_argument("--force", action="store_true", help="redo steps even when done")
         sp.add_argument("--no-progress", action="store_true", help="no progress bars")
         sp.set_defaults(tool=_run)
@@ -84,7 +87,11 @@ def load_for_args(args: argparse.Namespace):
         values["workers"] = args.workers
     if args.strict:
         values["strict"] = True
-    return load_data_config(path, args.overrides, values)
+    cfg = load_data_config(path, args.overrides, values)
+    if getattr(args, "follow_symlinks", False):
+        for s in cfg.sources:
+            s.options = {**s.options, "follow_symlinks": True}
+    return cfg
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -28,30 +28,59 @@ class CollectConfig:
     local Hugging Face dataset directory), or a file, directory or glob of ``.txt``, JSONL
     (``.jsonl``, ``.jsonl.gz``, ``.json.gz``, ``.jsonl.zst``), ``.parquet`` or WARC (``.warc``,
     ``.warc.gz``) files (see :mod:`olmoflow.data.readers`). ``strict`` turns skipped bad input
-    (malformed lines, damaged files, empty files) into errors.
+    (malformed lines, damaged files, empty files) into errors. A symbolic link in a directory or
+    glob that leads outside it is skipped (counted, one warning) unless ``follow_symlinks``.
     """
 
     sources: list[str] = field(default_factory=lambda: ["stdlib"])
     text_field: str = "text"
     strict: bool = False
     max_documents: int | None = None
+    follow_symlinks: bool = False
 
 
 @dataclass
 class CleanConfig:
-    """Document filters: length bounds in characters (after stripping) and exact deduplication."""
+    """Document filters: length bounds in characters (after stripping) and exact deduplication.
+
+    Raises:
+        OlmoflowError: ``min_chars`` below 0, or ``max_chars`` below ``min_chars``.
+    """
 
     min_chars: int = 64
     max_chars: int = 1_000_000
     dedup: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked when the config is loaded, before a rerun touches the stage's finished output.
+        if self.min_chars < 0:
+            raise OlmoflowError(f"clean.min_chars must be >= 0, got {self.min_chars}")
+        if self.max_chars < self.min_chars:
+            raise OlmoflowError(f"clean.max_chars ({self.max_chars}) is below clean.min_chars "
+                                f"({self.min_chars})")
+
 
 @dataclass
 class TokenizeConfig:
-    """Token arrays and the held-out split (whole documents, chosen by a seeded hash of the id)."""
+    """Token arrays and the held-out split (whole documents, chosen by a seeded hash of the id).
+
+    Raises:
+        OlmoflowError: ``heldout_fraction`` outside [0, 1] (NaN included), or
+            ``heldout_max_documents`` below 0.
+    """
 
     heldout_fraction: float = 0.02
     heldout_max_documents: int = 200
+
+    def __post_init__(self) -> None:
+        # Checked when the config is loaded, before a rerun touches the stage's finished output;
+        # written so that NaN fails too.
+        if not 0.0 <= self.heldout_fraction <= 1.0:
+            raise OlmoflowError(
+                f"tokenize.heldout_fraction must be in [0, 1], got {self.heldout_fraction}")
+        if self.heldout_max_documents < 0:
+            raise OlmoflowError(f"tokenize.heldout_max_documents must be >= 0, got "
+                                f"{self.heldout_max_documents}")
 
 
 # ---- the data engine -----------------------------------------------------------------------------
@@ -62,7 +91,8 @@ class SourceConfig:
     """One named source: files, directories or globs (relative to the current directory) read
     by the reader their suffix names (``.txt``, ``.jsonl[.gz|.zst]``, ``.json.gz``, ``.parquet``,
     ``.warc[.gz]``), ``stdlib``, or ``hf://name[:config]/split``. ``options`` go to the reader
-    (e.g. ``text_field``, ``max_shard_bytes``)."""
+    (e.g. ``text_field``, ``max_shard_bytes``), but for ``follow_symlinks``: true reads the files
+    behind symbolic links that lead out of a source directory, which are skipped otherwise."""
 
     name: str = ""
     paths: list[str] = field(default_factory=list)

@@ -16,6 +16,12 @@ reduce in the driver, then map again to write attributes. A step whose manifest 
 fingerprint (its config and the fingerprints of the steps it reads) is skipped whole; inside a
 step, finished shards are skipped by their done-markers (``DIR/.done/<step>/``).
 
+``DIR`` is olmoflow's once it carries the marker ``DIR/.olmoflow-data``: the engine deletes stale
+shards and markers only there, and refuses a non-empty directory without it (an output made
+before the marker existed is recognised and adopted, see :func:`legacy_output_problem`). A source
+path inside ``DIR`` is refused (ingest would delete it as a stale shard). One process at a time
+runs in ``DIR``: :meth:`Engine.run` holds its lock (``DIR/.olmoflow-lock``).
+
 The config is YAML, parsed by :func:`olmoflow.config.from_dict` like run configs: unknown keys are
 errors naming the closest valid key. The sections ``dedup``, ``decontaminate`` and ``mixer`` are
 handed to their modules, which validate them. One name per idea: the step and its config section
@@ -34,7 +40,14 @@ from typing import Any
 
 import yaml
 
-from olmoflow.artifacts import is_complete, now, read_manifest, sha256_json, write_manifest
+from olmoflow.artifacts import (
+    directory_lock,
+    is_complete,
+    now,
+    read_manifest,
+    sha256_json,
+    write_manifest,
+)
 from olmoflow.data import steps as _steps
 from olmoflow.data.config import (  # re-exported: the engine's config lives with the others
     STEP_DIRS,
@@ -55,6 +68,13 @@ from olmoflow.data.step_helpers import (  # re-exported for the steps' callers
     step_stats,
 )
 from olmoflow.errors import OlmoflowError, unknown_name_error
+from olmoflow.run_dir import (
+    CONFIG_FILE,
+    claim_directory,
+    config_has_keys,
+    input_inside,
+    own_manifest_stage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +84,8 @@ SIDE_DIRS = {"tag": ("quality",), "tokenize": ("tokenizer",)}
 #: A step's intermediate files (hashes, the eval index, the mixer's own done-markers), named
 #: after the attribute set the step writes (``decontaminate`` -> ``decontam``).
 WORK_DIRS = {"dedup": "work/dedup", "decontaminate": "work/decontam", "mix": "work/mix"}
+#: The marker file that says a directory is a data engine output.
+DATA_MARKER = ".olmoflow-data"
 
 
 # ---- the step runner -----------------------------------------------------------------------------
@@ -165,22 +187,50 @@ class Engine:
 
     def run(self, steps: list[str] | None = None,
             on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
-        """Run ``steps`` (default: the config's) in pipeline order; return their outcomes."""
+        """Run ``steps`` (default: the config's) in pipeline order; return their outcomes.
+
+        Raises:
+            OlmoflowError: an unknown step, a config section's error (before any step runs), a
+                source inside the output, an output that is a file or a non-empty directory
+                that is not a data engine output, one another process is running in (the
+                message names it), or a step's error.
+        """
         wanted = steps or self.cfg.steps
         for s in wanted:
             if s not in STEPS:
                 raise unknown_name_error("step", s, STEPS)
-        from olmoflow.artifacts import atomic_write_text
         # Every section of the steps to run is checked before the first step starts: a typo in
         # the mixer must not surface only after hours of tagging.
         _steps.preflight(self, [s for s in STEPS if s in wanted])
+        if "ingest" in wanted:
+            self.check_sources()
         if self.root.exists() and not self.root.is_dir():
             raise OlmoflowError(f"output '{self.root}' is a file, not a directory")
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OlmoflowError(f"cannot create output directory '{self.root}': "
-                                f"{e.strerror or e}") from None
+        claim_directory(self.root, marker=DATA_MARKER, legacy=legacy_output_problem,
+                        what="data output")
+        with directory_lock(self.root, what="data output"):
+            return self._run_held(wanted, on_step)
+
+    def check_sources(self) -> None:
+        """Refuse source paths inside the output directory: ingest deletes the shards there
+        that it did not write, and later steps would read their own output as input.
+
+        Raises:
+            OlmoflowError: the first such path, naming its source.
+        """
+        for i, src in enumerate(self.cfg.sources):
+            for entry in src.paths:
+                if input_inside(entry, [self.root]) is not None:
+                    raise OlmoflowError(
+                        f"sources[{i}] ('{src.name}'): path '{entry}' lies inside the output "
+                        f"directory '{self.root}', whose files the engine replaces; move it "
+                        "out of the output directory")
+
+    def _run_held(self, wanted: list[str],
+                  on_step: Callable[[StepOutcome], None] | None) -> list[StepOutcome]:
+        """:meth:`run` once the output directory is claimed and locked."""
+        from olmoflow.artifacts import atomic_write_text
+
         if self.cfg.executor == "ray":  # connect once, to the configured cluster if any
             from olmoflow.data.executor import ray_init
 
@@ -196,6 +246,42 @@ class Engine:
                 if on_step is not None:
                     on_step(o)
         return outcomes
+
+
+#: What a data engine output holds besides its step directories (``STEP_DIRS``): the saved
+#: config, the side and work directories of steps, and ``data report``'s directory.
+_OUTPUT_EXTRAS = ("config.yaml", "work", "reports",
+                  *sorted({d for ds in SIDE_DIRS.values() for d in ds}))
+
+
+def legacy_output_problem(root: Path) -> str | None:
+    """Why ``root`` (not empty, no marker) is not a data engine output that olmoflow made before
+    it marked them; None when it is one, to be adopted.
+
+    It is one when its ``config.yaml`` is a YAML mapping with the ``output`` and ``steps`` keys
+    (the config the engine saves), at least one step directory has the engine's manifest (its
+    ``stage`` is ``data <step>``), every other step directory that exists has one or has the
+    step's done-markers, and every entry not hidden is one of these or a side directory of the
+    engine (``work``, ``reports``, ``quality``, ``tokenizer``). Anything else makes it foreign.
+    """
+    if not config_has_keys(root / CONFIG_FILE, ("output", "steps")):
+        return f"no data engine {CONFIG_FILE}"
+    known = {d.split("/")[0] for d in STEP_DIRS.values()} | set(_OUTPUT_EXTRAS)
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(".") or p.name == CONFIG_FILE:
+            continue
+        if p.name not in known or not p.is_dir() or p.is_symlink():
+            return f"'{p.name}' is not a data engine directory"
+    made = 0
+    for step, d in STEP_DIRS.items():
+        p = root / d
+        if not p.exists():
+            continue
+        if own_manifest_stage(p) == f"data {step}":
+            made += 1
+        elif not (p.is_dir() and (root / DONE / step).is_dir()):
+            return f"'{d}' is not a data engine step directory"
+    return None if made else "no finished step"
 
 
 #: The data files a step writes into its directory (anything else there is left alone).

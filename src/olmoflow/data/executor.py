@@ -304,9 +304,15 @@ def _run_pool(fn, tasks, pending, finish, workers, bar) -> None:
         raise failed[min(failed)]
 
 
+#: The address a local Ray instance binds to: this machine only.
+RAY_LOCAL_IP = "127.0.0.1"
+
+
 def ray_init(workers: int | None = None, address: str | None = None) -> None:
     """Connect to Ray once per process: ``address`` (or ``$RAY_ADDRESS``) for a cluster, else
-    start a local instance with ``workers`` CPUs and no dashboard. A no-op when connected.
+    start a local instance with ``workers`` CPUs and no dashboard, bound to 127.0.0.1 so that
+    nothing else on the network can reach it (Ray's own default listens on every interface).
+    A no-op when connected.
 
     Raises:
         OlmoflowError: Ray is not installed (``pip install 'olmoflow[ray]'``).
@@ -320,9 +326,41 @@ def ray_init(workers: int | None = None, address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    else:
+        return
+    with _ray_loopback():
         ray.init(num_cpus=workers or default_workers(), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING)
+                 log_to_driver=False, logging_level=logging.WARNING,
+                 _node_ip_address=RAY_LOCAL_IP)
+    node_ip = getattr(getattr(ray._private.worker, "_global_node", None), "node_ip_address",
+                      RAY_LOCAL_IP)
+    if node_ip != RAY_LOCAL_IP:
+        log.warning("the local Ray instance listens on %s, not only on %s: this Ray version "
+                    "did not keep the loopback address", node_ip, RAY_LOCAL_IP)
+
+
+@contextlib.contextmanager
+def _ray_loopback():
+    """Let Ray keep 127.0.0.1 as the node address while it starts.
+
+    Ray (2.x on Linux) replaces a loopback ``_node_ip_address`` by the machine's routable
+    address, and its servers listen on every interface unless the node address is 127.0.0.1.
+    ``ENABLE_RAY_CLUSTER`` off is the single-machine mode Ray uses on macOS and Windows, where
+    the loopback address is kept; it is only read while the node address is resolved.
+    """
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without the constant: the warning after init says so
+        yield
+        return
+    old = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if old is None:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = old
 
 
 def _run_ray(fn, tasks, pending, finish, workers, address, bar) -> None:

@@ -54,7 +54,9 @@ __all__ = ["STDLIB", "SUFFIXES", "INGEST_OPTIONS", "collect", "source_files", "p
 STDLIB = "stdlib"
 SUFFIXES = tuple(sorted(FORMATS))
 #: Keys an ingest task (or a source's ``options``) may set, besides the task's own keys.
-INGEST_OPTIONS = (*(f.name for f in dataclasses.fields(ReadOptions)), "max_shard_bytes")
+#: ``follow_symlinks`` is a source's only: it decides which files become tasks.
+INGEST_OPTIONS = (*(f.name for f in dataclasses.fields(ReadOptions)), "max_shard_bytes",
+                  "follow_symlinks")
 _TASK_KEYS = ("input", "name", "source", "output", "strict", "options")
 log = logging.getLogger(__name__)
 
@@ -62,16 +64,50 @@ log = logging.getLogger(__name__)
 # --- planning -----------------------------------------------------------------------------------
 
 
-def _dir_files(directory: Path) -> list[Path]:
+def _walk(directory: Path, follow_symlinks: bool) -> Iterator[Path]:
+    """Every path under ``directory``. Without ``follow_symlinks`` linked directories are listed
+    but not entered (``Path.rglob``); with it they are entered too, each real directory once, so a
+    link to an ancestor ends instead of looping."""
+    if not follow_symlinks:
+        yield from directory.rglob("*")
+        return
+    seen: set[str] = set()
+    for top, dirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in dirs + files:
+            yield Path(top) / name
+
+
+def _outside(path: Path, root: Path | None) -> bool:
+    """Whether ``path``, its links resolved, lies outside the real directory ``root``."""
+    return root is not None and not path.resolve().is_relative_to(root)
+
+
+def _dir_files(directory: Path, root: Path | None = None,
+               skipped: list[Path] | None = None) -> list[Path]:
     """Supported files under ``directory``, recursively, sorted; hidden files and dirs skipped.
     Other files (a README, ``.json.bz2``) are skipped with a warning that names them, so data in
-    an unsupported format is never dropped without a word."""
+    an unsupported format is never dropped without a word.
+
+    ``root`` is the real (resolved) directory the user named; a file or linked directory whose
+    real path lies outside it is left out and added to ``skipped``. ``root`` None follows every
+    link (``follow_symlinks``)."""
     found, other = [], []
-    for p in directory.rglob("*"):
+    for p in _walk(directory, follow_symlinks=root is None):
         rel = p.relative_to(directory)
+        if any(s.startswith(".") for s in rel.parts):
+            continue
+        if p.is_symlink() and _outside(p, root):
+            if p.exists() and skipped is not None:  # a dangling link is no data either way
+                skipped.append(p)
+            continue
         # An olmoflow artifact directory (e.g. a data run's mixed/) carries its manifest.json:
         # bookkeeping, not data, so reading such a directory warns about nothing.
-        if p.name == MANIFEST or not p.is_file() or any(s.startswith(".") for s in rel.parts):
+        if p.name == MANIFEST or not p.is_file():
             continue
         (found if file_format(p) else other).append(p)
     if other and found:  # with no supported file at all, _expand raises instead
@@ -86,8 +122,13 @@ def _absolute(path: str) -> Path:
     return Path(os.path.abspath(path))
 
 
-def _expand(entry: str) -> list[tuple[Path, Path]]:
+def _expand(entry: str, follow_symlinks: bool = False,
+            skipped: list[Path] | None = None) -> list[tuple[Path, Path]]:
     """``(file, root)`` pairs for one user source; ``root`` anchors the file's stable name.
+
+    In a directory or a glob, a symbolic link whose target lies outside the directory named (a
+    glob's part before its first wildcard) is not followed unless ``follow_symlinks``: it goes
+    into ``skipped`` instead. A file named on its own is read wherever its link points.
 
     Raises:
         OlmoflowError: nothing matches, an explicit file has an unsupported type, or a directory or
@@ -96,28 +137,46 @@ def _expand(entry: str) -> list[tuple[Path, Path]]:
     text = os.path.expanduser(entry)
     wild = [i for i, c in enumerate(text) if c in "*?["]
     kinds = ", ".join(SUFFIXES)
+    mine: list[Path] = []  # this entry's skipped links, for the message when nothing is left
+
+    def none_left(what: str) -> OlmoflowError:
+        if not mine:
+            return OlmoflowError(what)
+        return OlmoflowError(f"{what} ({len(mine)} symbolic link(s) that lead outside it were "
+                             f"skipped, e.g. '{mine[0]}'; --follow-symlinks reads them)")
+
     if wild:
         matches = sorted(glob.glob(text, recursive=True))
         if not matches:
             raise OlmoflowError(f"no such file or directory: '{entry}'")
         root = _absolute(os.path.dirname(text[: wild[0]]) or ".")
+        real = None if follow_symlinks else root.resolve()
         files, other = [], []
         for m in map(_absolute, matches):
-            if m.is_dir():
-                files += _dir_files(m)
+            if _outside(m, real):
+                if m.exists():
+                    mine.append(m)
+            elif m.is_dir():
+                files += _dir_files(m, real, mine)
             elif m.is_file():
                 (files if file_format(m) else other).append(m)
+        mine.sort()  # the warning names the first: the same one on every run
+        if skipped is not None:
+            skipped += mine
         if not files:
-            raise OlmoflowError(f"no {kinds} files match '{entry}'")
+            raise none_left(f"no {kinds} files match '{entry}'")
         if other:
             log.warning("%s: skipped %d file(s) of an unsupported type: %s%s", entry, len(other),
                         ", ".join(m.name for m in other[:5]), ", ..." if len(other) > 5 else "")
         return [(f, root) for f in files]
     path = _absolute(text)
     if path.is_dir():
-        files = _dir_files(path)
+        files = _dir_files(path, None if follow_symlinks else path.resolve(), mine)
+        mine.sort()
+        if skipped is not None:
+            skipped += mine
         if not files:
-            raise OlmoflowError(f"no {kinds} files in directory '{entry}'")
+            raise none_left(f"no {kinds} files in directory '{entry}'")
         return [(f, path) for f in files]
     if path.is_file():
         if not file_format(path):
@@ -126,10 +185,14 @@ def _expand(entry: str) -> list[tuple[Path, Path]]:
     raise OlmoflowError(f"no such file or directory: '{entry}'")
 
 
-def plan_inputs(entries: list[str], label: str | None = None) -> list[Input]:
+def plan_inputs(entries: list[str], label: str | None = None, *, follow_symlinks: bool = False,
+                skipped: list[Path] | None = None) -> list[Input]:
     """Every input the source ``entries`` name, in a deterministic order; a file named twice is
     read once. Each file's stable name is ``<label>/<path relative to its entry>``; ``label``
     defaults to the entry's directory name (and is also each input's ``source``).
+
+    Symbolic links in a directory or glob that lead outside it are not followed unless
+    ``follow_symlinks``; they are appended to ``skipped`` (the caller warns).
 
     Raises:
         OlmoflowError: an entry that matches nothing or names an unsupported file.
@@ -146,21 +209,36 @@ def plan_inputs(entries: list[str], label: str | None = None) -> list[Input]:
                     src = label or hf_label(entry)
                     inputs.append(Input("hf", src, src, spec=entry))
             continue
-        for path, root in _expand(entry):
-            if path.resolve() in seen:
+        for path, root in _expand(entry, follow_symlinks, skipped):
+            real = path.resolve()
+            if real in seen:
                 continue
-            seen.add(path.resolve())
+            seen.add(real)
             src = label or root.name or "user"
             name = f"{src}/{path.relative_to(root).as_posix()}"
+            # The path as listed, not its target: a link's name carries the suffix that says
+            # how to decompress it (a content-addressed blob behind it has none).
             inputs.append(Input(file_format(path), name, src, path=str(path)))
     return inputs
 
 
-def source_files(entries: list[str]) -> list[Path]:
+def warn_skipped_links(skipped: list[Path], where: str, how: str) -> None:
+    """One warning line for the symbolic links that were not followed: how many, the first one
+    and its target, and ``how`` to read them."""
+    if skipped:
+        first = skipped[0]
+        log.warning("%s: skipped %d symbolic link(s) that lead outside their directory, first "
+                    "'%s' -> '%s' (%s reads them)", where, len(skipped), first, first.resolve(),
+                    how)
+
+
+def source_files(entries: list[str], follow_symlinks: bool = False) -> list[Path]:
     """The user files ``collect`` reads for ``entries`` (``stdlib`` and ``hf://`` entries
-    contribute none), in reading order. Raises OlmoflowError like :func:`collect` for a source
-    that matches nothing or has an unsupported type."""
-    return [Path(i.path) for i in plan_inputs(entries) if i.path is not None]
+    contribute none), in reading order; links leading out of a directory only with
+    ``follow_symlinks``, as in :func:`collect`. Raises OlmoflowError like :func:`collect` for a
+    source that matches nothing or has an unsupported type."""
+    return [Path(i.path) for i in plan_inputs(entries, follow_symlinks=follow_symlinks)
+            if i.path is not None]
 
 
 # --- collect ------------------------------------------------------------------------------------
@@ -186,8 +264,11 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
     ``skipped_malformed`` (lines that are not JSON objects with a string text, or too large),
     ``skipped_undecodable`` (invalid UTF-8 lines or files), ``damaged_files`` (truncated or
     corrupt compression), ``empty_files``, ``errors`` (count by kind), ``error_examples``
-    (``file:line: reason``), ``removed`` (records not kept, by kind), and ``python_version``
-    when stdlib is a source. ``inputs`` lists every file read (user files and stdlib sources).
+    (``file:line: reason``), ``removed`` (records not kept, by kind), ``skipped_symlinks``
+    (links in a source directory that lead outside it, not followed unless
+    ``cfg.follow_symlinks``; one warning names the first), and ``python_version`` when stdlib is
+    a source. ``inputs`` lists every file read (user files and stdlib sources) by its real path,
+    links resolved.
 
     Raises:
         OlmoflowError: no sources, a source that matches nothing or has an unsupported type, an
@@ -197,7 +278,10 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
         raise OlmoflowError("collect.sources is empty; name 'stdlib' or a file, directory or glob")
     if cfg.max_documents is not None and cfg.max_documents < 1:
         raise OlmoflowError(f"collect.max_documents must be at least 1, got {cfg.max_documents}")
-    inputs = plan_inputs(list(cfg.sources))
+    follow = cfg.follow_symlinks
+    links: list[Path] = []
+    inputs = plan_inputs(list(cfg.sources), follow_symlinks=follow, skipped=links)
+    warn_skipped_links(links, "collect", "--follow-symlinks or collect.follow_symlinks=true")
     opts = ReadOptions(text_field=cfg.text_field, strict=cfg.strict)
     rl = ReadLog(strict=cfg.strict)
     tally: Counter = Counter()
@@ -217,6 +301,7 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
         "empty_files": rl.count("empty_file"),
         "errors": rl.error_counts(), "error_examples": rl.error_examples(),
         "removed": dict(sorted(rl.removed.items())),
+        "skipped_symlinks": len(links),
     }
     if tally["documents"] == 0:
         out.unlink(missing_ok=True)
@@ -227,7 +312,9 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
         )
     if STDLIB in cfg.sources:
         counts["python_version"] = python_version()
-    return StageResult(inputs=list(rl.files), outputs=[out], counts=counts)
+    # Real paths: a link's target is what was read, and what the lineage must lead back to.
+    return StageResult(inputs=[Path(os.path.realpath(f)) for f in rl.files], outputs=[out],
+                       counts=counts)
 
 
 # --- ingest (the data engine's first step) ------------------------------------------------------
@@ -249,22 +336,33 @@ def ingest_tasks(
 
     Document ids are ``<source>/<path relative to its entry>`` plus the line or row, so they do
     not depend on where the data lives. ``options`` (see :data:`INGEST_OPTIONS`) are copied into
-    every task.
+    every task, except ``follow_symlinks``: symbolic links in a source directory that lead
+    outside it are skipped (one warning names the first) unless it is true.
 
     Raises:
         OlmoflowError: an entry that matches nothing or names an unsupported file, a source name
-            that is not a plain directory name, or an unknown option (naming the closest one).
+            that is not a plain directory name, an unknown option (naming the closest one), or a
+            ``follow_symlinks`` that is not true or false.
     """
     if not source or not re.fullmatch(r"[A-Za-z0-9._-]+", source) or source in (".", ".."):
         raise OlmoflowError(f"source name '{source}' must be a plain name (letters, digits, . _ -)")
-    _check_options(options or {})
+    options = dict(options or {})
+    _check_options(options)
+    follow = options.pop("follow_symlinks", False)
+    if not isinstance(follow, bool):
+        raise OlmoflowError(f"sources option follow_symlinks must be true or false, got "
+                            f"{follow!r}")
+    links: list[Path] = []
     tasks = []
-    for i, inp in enumerate(plan_inputs(entries, label=source)):
+    for i, inp in enumerate(plan_inputs(entries, label=source, follow_symlinks=follow,
+                                        skipped=links)):
         tasks.append({
             "input": inp.path or inp.spec or STDLIB, "name": inp.name, "source": source,
             "output": str(Path(out_dir) / source / f"{_shard_stem(i, inp)}{ShardWriter.SUFFIX}"),
-            "strict": strict, **(options or {}),
+            "strict": strict, **options,
         })
+    warn_skipped_links(links, f"source '{source}'",
+                       "--follow-symlinks or the source option follow_symlinks: true")
     return tasks
 
 

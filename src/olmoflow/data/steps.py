@@ -250,34 +250,25 @@ def quality_model(engine: Engine) -> str | None:
 
 
 def import_plugins(plugins: list[str]) -> None:
-    """Import the user's modules that register taggers (``@register_tagger``): dotted module
-    names, or ``.py`` files. Imported once per process.
+    """Import the user's modules that register taggers (``@register_tagger``): this runs their
+    code. A ``.py`` path is a file (relative to the current directory, like ``sources`` paths);
+    a dotted name is a module on the Python path, never taken from the current directory
+    implicitly (see :mod:`olmoflow.user_code`). Imported once per process.
 
     Raises:
-        OlmoflowError: a module that cannot be imported (its error named).
+        OlmoflowError: a module that cannot be imported (its error named), or one that would be
+            imported from the current directory only because Python put it on ``sys.path``.
     """
-    import hashlib
-    import importlib
-    import importlib.util
-    import sys
+    from olmoflow import user_code
 
     for plugin in plugins:
-        key = (f"olmoflow_plugin_{hashlib.sha1(plugin.encode()).hexdigest()[:12]}"
-               if plugin.endswith(".py") else plugin)
-        if key in sys.modules:
-            continue
         try:
             if plugin.endswith(".py"):
-                spec = importlib.util.spec_from_file_location(key, Path(plugin).resolve())
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[key] = module
-                spec.loader.exec_module(module)
+                user_code.load_file(plugin)
             else:
-                importlib.import_module(plugin)
-        except Exception as e:  # noqa: BLE001 - any failure is the user's module's
-            sys.modules.pop(key, None)
-            raise OlmoflowError(f"plugins: cannot import '{plugin}': {type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+                user_code.import_module(plugin, "plugins: [./{file}]")
+        except OlmoflowError as e:
+            raise OlmoflowError(f"plugins: cannot import '{plugin}': {e}") from None
 
 
 def tag_with_plugins(task: dict[str, Any]) -> dict[str, Any]:

@@ -309,10 +309,23 @@ class TokenDir:
             raise OlmoflowError(f"{self.root}: the {name} split holds no tokens")
         return paths
 
-    def load_tokenizer(self) -> BaseTokenizer:
-        """The tokenizer that made these tokens (of its recorded implementation)."""
+    def load_tokenizer(self, trusted: str = "bpe") -> BaseTokenizer:
+        """The tokenizer that made these tokens (of its recorded implementation).
+
+        A tokens directory may come from someone else, and an implementation other than the
+        built-in ``bpe`` is code that would be imported: it is loaded only when it equals
+        ``trusted`` (the one the user's own config names, ``tokenizer.implementation``).
+
+        Raises:
+            OlmoflowError: the recorded implementation is neither ``bpe`` nor ``trusted``.
+        """
         from olmoflow.tokenizer import tokenizer_class
 
+        if self.implementation not in ("bpe", trusted):
+            raise OlmoflowError(
+                f"{self.root / META} names tokenizer implementation '{self.implementation}', "
+                "code that loading it would run; set tokenizer.implementation="
+                f"{self.implementation} to trust it")
         return tokenizer_class(self.implementation).load(self.tokenizer_dir)
 
 
@@ -343,7 +356,8 @@ def open_token_dir(path: str | Path, implementation: str | None = None) -> Token
     try:
         itemsize = np.dtype(meta["dtype"]).itemsize
     except TypeError:
-        raise OlmoflowError(f"{root / META}: unknown dtype {meta['dtype']!r}; rerun tokenize") from None
+        raise OlmoflowError(f"{root / META}: unknown dtype {meta['dtype']!r}; "
+                            "rerun tokenize") from None
     arrays = {}
     for s in SPLITS:
         files = meta["splits"].get(s, {}).get("files", [])

@@ -2,16 +2,31 @@
 
 A stage's fingerprint is the sha256 of its config sections and of the manifests (outputs and their
 hashes) of the stages it reads. A stage whose directory has a manifest with the same fingerprint
-and intact outputs is skipped; otherwise its directory is cleared and it runs again. A training
+and intact outputs is skipped; otherwise it runs again into a fresh directory. A training
 stage (one whose record says it trains) is the exception: an interrupted run with the same
 fingerprint resumes from its latest checkpoint, and checkpoints made under another fingerprint are
 kept until the user says ``resume_from=latest`` (continue them) or ``--force`` (start over).
+
+The previous output of a stage that runs again is set aside (``.<dir>.previous`` beside it) and
+deleted only once the new output is complete: a rerun that fails (a bad value, an input that is
+gone, an interrupt) puts it back, so a failed rerun never costs finished work. A run killed
+halfway leaves both; the next run keeps the new one when it is finished (or, for a training stage,
+holds a checkpoint to resume) and puts the previous one back otherwise. The disk holds both until
+the new output is complete.
+
+The runner writes and deletes only in a directory that is olmoflow's (it carries the marker
+``.olmoflow-run``, see :func:`olmoflow.run_dir.claim_directory`): a ``--run-dir`` holding the
+user's own files is refused. Inputs that lie inside the run's stage directories are refused too
+(:func:`olmoflow.run_dir.check_inputs`). One process at a time works in a run directory: the
+runner holds its lock (:func:`olmoflow.artifacts.directory_lock`) for the whole run; under
+torchrun rank 0 holds it for the job.
 
 The runner knows no stage by name: what it needs to know is in each :class:`Stage` record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -21,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from olmoflow.artifacts import (
+    LOCK_FILE,
     StageResult,
     atomic_write_text,
+    directory_lock,
     is_complete,
     now,
     read_manifest,
@@ -34,11 +51,20 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.stage import Stage, StageTable
 from olmoflow.pipeline.stages import STAGES
-from olmoflow.run_dir import RunDir
+from olmoflow.run_dir import (
+    INPUT_KEYS,
+    RUN_MARKER,
+    RunDir,
+    check_inputs,
+    claim_directory,
+    legacy_run_problem,
+)
 from olmoflow.train import distributed
 from olmoflow.train.checkpoint import has_checkpoint, resolve_checkpoint
 
 FINGERPRINT = ".fingerprint"
+#: The suffix of a stage directory's previous output while the stage runs again.
+PREVIOUS = ".previous"
 
 
 def _get_dotted(cfg: RunConfig, key: str) -> Any:
@@ -109,16 +135,30 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     Returns:
         ``(status, seconds, counts)``: status ``"ran"``, ``"resumed"`` or ``"skipped"``.
     Raises:
-        OlmoflowError: an unknown stage, a path in the way, checkpoints made under another
-            config (the message says how to continue or start over), or the stage's own errors.
+        OlmoflowError: an unknown stage, a path in the way, a run directory that is not
+            olmoflow's or that another process is using, checkpoints made under another config
+            (the message says how to continue or start over), or the stage's own errors; the
+            stage's previous output is back in place after an error.
     """
     table = STAGES if table is None else table
     stage = table[name]
     out = RunDir(cfg.run_dir).stage(name)
     info = distributed.init_from_env()  # under torchrun; one process otherwise
+    with contextlib.ExitStack() as held:
+        _hold(Path(cfg.run_dir), info, held)
+        return _run_stage(cfg, name, stage, out, info, progress=progress, force=force,
+                          command=command, table=table)
+
+
+def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distributed.DistInfo,
+               *, progress: bool, force: bool, command: str, table: StageTable
+               ) -> tuple[str, float, dict[str, Any]]:
+    """:func:`run_stage` once the run directory is held."""
+    trains = stage.trains
+    if info.is_main:
+        _settle(out, trains is not None)  # an earlier run killed while the stage ran again
     if out.exists() and not out.is_dir():
         raise OlmoflowError(f"'{out}' exists and is not a directory; the {name} stage writes there")
-    trains = stage.trains
     resume_from = _get_dotted(cfg, trains.resume_key) if trains else None
     if force and resume_from and _resumes_inside(out, resume_from):
         raise OlmoflowError(f"--force would delete the checkpoints in '{out}' that resume_from="
@@ -146,7 +186,8 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
         _set_dotted_attr(cfg, trains.resume_key, resume_from or "latest")
     if info.is_main:
         if not resuming and out.exists():
-            shutil.rmtree(out)
+            # Kept until the new output is complete: a failing rerun must not cost finished work.
+            os.replace(out, _previous(out))
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / FINGERPRINT, fp)
     distributed.barrier()
@@ -160,14 +201,21 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     except OlmoflowError as e:
         if not resuming and info.is_main:  # leave no empty or half-made stage directory behind
             shutil.rmtree(out, ignore_errors=True)
+            _settle(out, trains is not None)  # and the previous output back in its place
         if not info.is_distributed or trains is not None:
             raise
         error = e
+    except BaseException:
+        if not resuming and info.is_main:
+            _settle(out, trains is not None)
+        raise
     secs = time.time() - t0
     if info.is_main and result is not None:
         write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
                        fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
                        counts=result.counts, started=started, extra={"seconds": round(secs, 2)})
+    if info.is_main:
+        _settle(out, trains is not None)  # the new output is complete: the previous one goes
     # Every rank leaves with rank 0's outcome, after its manifest exists (the next stage's
     # fingerprint reads it).
     message, counts = distributed.broadcast_object(
@@ -175,6 +223,88 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     if message is not None:
         raise OlmoflowError(message)
     return ("resumed" if resuming else "ran"), secs, counts
+
+
+def _hold(root: Path, info: distributed.DistInfo, held: contextlib.ExitStack,
+          check: Any = None) -> bool:
+    """Make the run directory ``root`` ready to work in: run ``check`` (a callable), claim the
+    directory (:func:`~olmoflow.run_dir.claim_directory`) and take its lock for the life of
+    ``held``. Only rank 0 does this (the other ranks are the same job); every rank raises rank
+    0's error. Nested calls in one process are free. Returns whether this call marked ``root``.
+
+    Raises:
+        OlmoflowError: ``check``'s error, a directory that is not olmoflow's, or one another
+            process holds (the message names it).
+    """
+    error, marked = None, False
+    if info.is_main:
+        try:
+            if check is not None:
+                check()
+            marked = claim_directory(root, legacy=_legacy_run_problem)
+            held.enter_context(directory_lock(root, what="run directory"))
+        except OlmoflowError as e:
+            error = str(e)
+    error = distributed.broadcast_object(error)
+    if error is not None:
+        raise OlmoflowError(error)
+    return marked
+
+
+def _legacy_run_problem(root: Path) -> str | None:
+    """:func:`~olmoflow.run_dir.legacy_run_problem`, where a directory holding a complete
+    checkpoint of a training stage is a stage directory too."""
+    return legacy_run_problem(root, made=has_checkpoint)
+
+
+def _previous(out: Path) -> Path:
+    """Where a stage directory's previous output waits while the stage runs again."""
+    return out.parent / f".{out.name}{PREVIOUS}"
+
+
+def _settle(out: Path, trains: bool) -> None:
+    """Decide between a stage's new output and its previous one set aside (see the module
+    docstring): keep the new one when it is finished or, for a training stage, holds a
+    checkpoint to resume; otherwise put the previous one back. Nothing to do without one."""
+    previous = _previous(out)
+    if not previous.exists():
+        return
+    if read_manifest(out) is not None or (trains and has_checkpoint(out)):
+        if previous.is_symlink():  # the stage directory was a link: drop the link, not its target
+            previous.unlink()
+        else:
+            shutil.rmtree(previous, ignore_errors=True)
+        return
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out)
+    elif out.exists() or out.is_symlink():
+        out.unlink()
+    os.replace(previous, out)
+
+
+def _check_inputs(cfg: RunConfig, table: StageTable) -> None:
+    """Refuse input paths (:data:`~olmoflow.run_dir.INPUT_KEYS`) inside the run's own stage
+    directories."""
+    for key in INPUT_KEYS:
+        try:
+            entries = _get_dotted(cfg, key)
+        except AttributeError:
+            continue
+        if isinstance(entries, (list, tuple)):
+            check_inputs(RunDir(cfg.run_dir), table.names, entries, key)
+
+
+def _unmark(run_dir: Path, created: bool) -> None:
+    """Take back what claiming ``run_dir`` added when nothing else is in it: its marker and lock
+    file, and the directory itself when this run created it."""
+    ours = {RUN_MARKER, LOCK_FILE}
+    with contextlib.suppress(OSError):
+        left = {p.name for p in run_dir.iterdir()}
+        if left <= ours:
+            for n in left:
+                (run_dir / n).unlink()
+            if created:
+                run_dir.rmdir()
 
 
 def _resumes_inside(out: Path, resume_from: str) -> bool:
@@ -220,33 +350,39 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
     Returns:
         A row ``(name, status, seconds, counts)`` per stage run.
     Raises:
-        OlmoflowError: a path in the way, an unknown stage, or a stage's error; a run directory
-            the call created is removed again when no stage finished.
+        OlmoflowError: a path in the way, an unknown stage, a run directory that is not
+            olmoflow's or that another process is using, an input inside the run's own stage
+            directories, or a stage's error; a run directory the call created (or marked while
+            empty) is left as it was when no stage finished.
     """
     table = STAGES if table is None else table
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise OlmoflowError(f"run_dir '{run_dir}' exists and is not a directory")
     created = not run_dir.exists()
-    main = distributed.init_from_env().is_main  # under torchrun only rank 0 prints and writes
+    info = distributed.init_from_env()
+    main = info.is_main  # under torchrun only rank 0 prints and writes
     rows = []
     names = stages or [s.name for s in table.enabled(cfg)]
     for name in names:
         table[name]  # an unknown stage fails before any stage runs
-    try:
-        for name in names:
-            status, secs, counts = run_stage(cfg, name, progress=progress, force=force,
-                                             table=table)
-            if main:
-                print(f"[{name}] {status} in {secs:.1f}s: {_headline(table[name], counts)}",
-                      flush=True)
-            rows.append((name, status, secs, counts))
-            if len(rows) == 1 and main:  # the run exists once a stage is done: record its config
-                atomic_write_text(RunDir(run_dir).config, dump_config(cfg))
-    except OlmoflowError:
-        if main and created and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # a run that failed before its first stage leaves nothing behind
-        raise
+    with contextlib.ExitStack() as held:
+        # Held for the whole run, so no other process works in it between two stages.
+        marked = _hold(run_dir, info, held, lambda: _check_inputs(cfg, table))
+        try:
+            for name in names:
+                status, secs, counts = run_stage(cfg, name, progress=progress, force=force,
+                                                 table=table)
+                if main:
+                    print(f"[{name}] {status} in {secs:.1f}s: {_headline(table[name], counts)}",
+                          flush=True)
+                rows.append((name, status, secs, counts))
+                if len(rows) == 1 and main:  # the run exists once a stage is done: its config
+                    atomic_write_text(RunDir(run_dir).config, dump_config(cfg))
+        except OlmoflowError:
+            if main and marked:  # a run that failed before its first stage leaves nothing behind
+                _unmark(run_dir, created)
+            raise
     if len(names) > 1 and main:
         print_summary(rows, run_dir, table)
     return rows

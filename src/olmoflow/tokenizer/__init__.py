@@ -18,30 +18,41 @@ BUILTIN = {"bpe": BPETokenizer}
 
 
 def tokenizer_class(implementation: str) -> type[BaseTokenizer]:
-    """The tokenizer class named by ``tokenizer.implementation``: ``"bpe"`` or ``"module:Class"``.
+    """The tokenizer class named by ``tokenizer.implementation``: ``"bpe"``, ``"module:Class"``
+    (a module on the Python path) or ``"path/to/file.py:Class"`` (a file, relative to the current
+    directory). Naming a module or a file runs its code. A module is never imported from the
+    current directory implicitly (``python -m olmoflow`` puts it on ``sys.path``): a file there
+    is named by its path, ``./my_tok.py:Class`` (see :mod:`olmoflow.user_code`).
 
     Raises:
-        OlmoflowError: unknown name, a module that does not import, or a class that is not a
-            :class:`BaseTokenizer` subclass.
+        OlmoflowError: unknown name, a module that would come from the current directory, a
+            module or file that does not load, or a class that is not a :class:`BaseTokenizer`
+            subclass.
     """
-    import importlib
-
+    from olmoflow import user_code
     from olmoflow.errors import OlmoflowError, unknown_name_error
 
+    key = "tokenizer.implementation"
     if implementation in BUILTIN:
         return BUILTIN[implementation]
     if ":" not in implementation:
-        raise unknown_name_error("tokenizer.implementation", implementation,
-                                 [*BUILTIN, "module:Class"])
-    module, _, name = implementation.partition(":")
+        raise unknown_name_error(key, implementation,
+                                 [*BUILTIN, "module:Class", "path/to/file.py:Class"])
+    # rpartition: a path may hold a colon (a Windows drive), a class name never does.
+    where, _, name = implementation.rpartition(":")
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise OlmoflowError(
-            f"tokenizer.implementation '{implementation}' cannot be loaded: {e}") from None
+        if user_code.is_file_spec(where):
+            module = user_code.load_file(where)
+        else:
+            module = user_code.import_module(where, f"{key}=./{{file}}:{name}")
+    except OlmoflowError as e:
+        raise OlmoflowError(f"{key} '{implementation}' cannot be loaded: {e}") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise OlmoflowError(f"{key} '{implementation}' cannot be loaded: "
+                            f"'{where}' defines no '{name}'")
     if not (isinstance(cls, type) and issubclass(cls, BaseTokenizer)):
-        raise OlmoflowError(
-            f"tokenizer.implementation '{implementation}' is not a BaseTokenizer subclass")
+        raise OlmoflowError(f"{key} '{implementation}' is not a BaseTokenizer subclass")
     return cls
 
 

@@ -7,6 +7,14 @@ the trainer state (step, tokens seen, data-loader cursor, every RNG state, sched
 extras) in ``trainer_state.pt``, and the resolved run config in ``config.yaml``. Directories of the
 older ``stepN`` form are still read.
 
+The trainer state holds plain data only (tensors, numbers, strings, lists and dicts; the RNG states
+as tensors) and is read with ``torch.load(weights_only=True)``, so a crafted ``trainer_state.pt``
+cannot run code. ``torch.distributed.checkpoint`` reads its ``.metadata`` with ``pickle``, though:
+``checksums.json``, written last before the rename, records the sha256 of every other file, and
+every load checks the whole directory against it first (:func:`verify_checkpoint`). That detects
+corruption and edits, not a malicious checkpoint whose author recomputed the hashes: a checkpoint
+directory is trusted input (a release directory, safetensors + JSON, is safe from anyone).
+
 A checkpoint is written under a temporary name and renamed when complete; then older checkpoints
 are pruned (``keep_every``/``keep_last``), ``checkpoints.csv`` (every checkpoint ever saved, kept or
 pruned) is rewritten atomically, and ``latest`` (a text file naming the newest checkpoint) is
@@ -19,6 +27,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import logging
+import os
+import pickle
 import random
 import re
 import shutil
@@ -38,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries
+from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries, sha256_file
 from olmoflow.errors import OlmoflowError
 from olmoflow.train import distributed
 
@@ -46,6 +58,9 @@ LATEST = "latest"
 INDEX = "checkpoints.csv"
 INDEX_FIELDS = ("step", "tokens", "name", "loss", "saved_at", "status")
 TRAINER_STATE = "trainer_state.pt"
+# The sha256 of every other file of a checkpoint, recorded at save time.
+CHECKSUMS = "checksums.json"
+CHECKSUMS_FORMAT = 1
 # "{stage}-step{N}-tokens{T}" (the stage may itself contain hyphens) or the older "stepN".
 _NAME = re.compile(r"^(?:(?P<stage>.+)-)?step(?P<step>\d+)(?:-tokens(?P<tokens>\d+[KMB]?))?$")
 _UNITS = (("B", 10**9), ("M", 10**6), ("K", 10**3))
@@ -53,6 +68,13 @@ _UNITS = (("B", 10**9), ("M", 10**6), ("K", 10**3))
 # One process without init_process_group is a supported dcp mode, not a problem to warn about.
 warnings.filterwarnings("ignore",
                         message="torch.distributed is disabled, unavailable or uninitialized")
+
+log = logging.getLogger(__name__)
+
+# What trainer states saved before the RNG states became tensors pickled besides plain data:
+# NumPy's state as a uint32 array. Rebuilding an array of a dtype runs no user-chosen code.
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                        type(np.dtype(np.uint32))]
 
 
 def format_tokens(tokens: int) -> str:
@@ -94,8 +116,18 @@ def list_checkpoints(save_folder: Path) -> list[Path]:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG state a training step can touch (Python, NumPy, torch CPU and CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every RNG state a training step can touch (Python, NumPy, torch CPU and CUDA), as plain
+    data that ``torch.load(weights_only=True)`` reads: Python's Mersenne Twister words and NumPy's
+    key as int64 tensors beside their scalar fields."""
+    version, words, gauss_next = random.getstate()
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {"python": {"version": int(version),
+                        "state": torch.tensor(words, dtype=torch.int64),
+                        "gauss_next": gauss_next},
+             "numpy": {"bit_generator": str(name),
+                       "key": torch.from_numpy(key.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached_gaussian)},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -103,9 +135,17 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what :func:`rng_state` captured (or, from checkpoints saved before it stored plain
+    data, the tuples of ``random.getstate`` and ``np.random.get_state``)."""
+    py = state["python"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss_next"])
+    random.setstate(py)
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = (npy["bit_generator"], npy["key"].numpy().astype(np.uint32), npy["pos"],
+               npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -148,6 +188,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
     if main:
         torch.save({**trainer_state, "rng": rng_state(), "loss": loss}, tmp / TRAINER_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
+        # Last: every rank's shards are written once dcp.save returns on the coordinator.
+        write_checksums(tmp)
         if final.exists():  # a step saved again (e.g. after resuming an earlier checkpoint)
             trash = final.with_name(f".{final.name}.pruned")
             shutil.rmtree(trash, ignore_errors=True)
@@ -329,31 +371,170 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
                         f"directory or stepN; '{save_folder}' has: {', '.join(names) or 'none'})")
 
 
+def _other_checkpoint_hint(path: Path) -> str:
+    """Where to resume instead of the unreadable checkpoint ``path``."""
+    others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
+    return (f"resume from another one, e.g. resume_from={others[-1]}" if others
+            else "no other checkpoint is left to resume from")
+
+
 def _unreadable(path: Path, what: str, e: BaseException) -> OlmoflowError:
     """The one-line error for a checkpoint that exists but cannot be loaded, naming the others."""
     path = Path(path)
-    others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
     # The first rank's own error, no traceback.
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-    hint = (f"resume from another one, e.g. resume_from={others[-1]}" if others
-            else "no other checkpoint is left to resume from")
     return OlmoflowError(f"checkpoint '{path}' cannot be read ({what}: {detail}); it is damaged or "
-                         f"was saved for another model or train.optimizer; {hint}")
+                         f"was saved for another model or train.optimizer; "
+                         f"{_other_checkpoint_hint(path)}")
+
+
+def _checkpoint_files(path: Path) -> tuple[list[str], list[str]]:
+    """``(files, links)``: the relative POSIX paths of the regular files under checkpoint ``path``
+    except :data:`CHECKSUMS`, and of its symbolic links (never followed), both sorted."""
+    files, links = [], []
+    for root, dirs, names in os.walk(path):
+        rel_root = Path(root).relative_to(path)
+        for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
+            rel = (rel_root / name).as_posix()
+            full = Path(root) / name
+            if full.is_symlink():
+                links.append(rel)
+            elif rel != CHECKSUMS and full.is_file():
+                files.append(rel)
+    return sorted(files), sorted(links)
+
+
+def write_checksums(path: Path) -> None:
+    """Record the sha256 and size of every file of checkpoint directory ``path`` in its
+    :data:`CHECKSUMS` (JSON), which :func:`verify_checkpoint` checks before any load."""
+    path = Path(path)
+    files = {rel: {"sha256": sha256_file(path / rel), "bytes": (path / rel).stat().st_size}
+             for rel in _checkpoint_files(path)[0]}
+    atomic_write_text(path / CHECKSUMS, json.dumps(
+        {"format": CHECKSUMS_FORMAT, "algorithm": "sha256", "files": files},
+        indent=1, sort_keys=True) + "\n")
+
+
+def _recorded_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The files :data:`CHECKSUMS` of ``path`` records, or None when it has none (saved by an
+    older olmoflow).
+
+    Raises:
+        OlmoflowError: the file is not one :func:`write_checksums` wrote.
+    """
+    file = path / CHECKSUMS
+    if not file.exists() and not file.is_symlink():
+        return None
+    try:
+        if file.is_symlink() or not file.is_file():
+            raise ValueError("not a regular file")
+        data = json.loads(file.read_bytes())
+        files = data.get("files") if isinstance(data, dict) else None
+        if (not isinstance(files, dict) or data.get("algorithm") != "sha256"
+                or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                           and isinstance(v.get("bytes"), int) for v in files.values())):
+            raise ValueError("not a checksum list olmoflow wrote")
+        return files
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise _changed(path, CHECKSUMS, " ".join(str(e).split())[:200]) from None
+
+
+def _changed(path: Path, name: str, why: str) -> OlmoflowError:
+    """The one-line error for a checkpoint whose files differ from those saved."""
+    name = name if name.isprintable() else ascii(name)  # an added file's name may hold a newline
+    return OlmoflowError(f"checkpoint '{path}' cannot be read ({name}: {why}); it was damaged or "
+                         f"edited after it was saved; {_other_checkpoint_hint(path)}")
+
+
+def _verify_files(path: Path) -> str | None:
+    """The error line :func:`verify_checkpoint` raises for ``path``, or None when it loads."""
+    try:
+        recorded = _recorded_checksums(path)
+        if recorded is None:
+            log.warning("checkpoint '%s' has no %s (saved by an older olmoflow): its files are "
+                        "loaded without checking them", path, CHECKSUMS)
+            return None
+        files, links = _checkpoint_files(path)
+        if links:
+            raise _changed(path, links[0], "a symbolic link, which a saved checkpoint never has")
+        # Names are compared as sets: a recorded name is never opened, so '../x' reads nothing.
+        missing = sorted(set(recorded) - set(files))
+        if missing:
+            raise _changed(path, missing[0], f"missing (one of {len(missing)} file(s) recorded "
+                                             f"in {CHECKSUMS} but absent)")
+        extra = sorted(set(files) - set(recorded))
+        if extra:
+            raise _changed(path, extra[0], f"not in {CHECKSUMS}: added after the save "
+                                           f"({len(extra)} such file(s))")
+        for rel in files:
+            want = recorded[rel]
+            try:
+                size, digest = (path / rel).stat().st_size, None
+                if size == want["bytes"]:
+                    digest = sha256_file(path / rel)
+            except OSError as e:  # unreadable (permissions) or gone meanwhile
+                raise _changed(path, rel, f"unreadable: {e.strerror or e}") from None
+            if size != want["bytes"]:
+                raise _changed(path, rel, f"changed: {size} bytes, {want['bytes']} when saved")
+            if digest != want["sha256"]:
+                raise _changed(path, rel, "changed: its sha256 differs from the one recorded "
+                                          "when saved")
+    except OlmoflowError as e:
+        return str(e)
+    return None
+
+
+def verify_checkpoint(path: Path, *, collective: bool = False) -> None:
+    """Check every file of checkpoint directory ``path`` against the sha256 its
+    :data:`CHECKSUMS` recorded at save time, before anything of it is unpickled (``dcp`` reads
+    ``.metadata`` with ``pickle``). A checkpoint saved before checksums were recorded loads, with
+    one warning. ``collective``: under torchrun rank 0 checks and every rank raises its verdict.
+
+    Raises:
+        OlmoflowError: a file changed, is missing, was added or is a symbolic link; naming it.
+    """
+    path = Path(path)
+    if collective:
+        error = distributed.broadcast_object(_verify_files(path) if distributed.is_main()
+                                             else None)
+    else:
+        error = _verify_files(path)
+    if error is not None:
+        raise OlmoflowError(error)
+
+
+def _pickled_object(e: BaseException) -> str | None:
+    """The global a weights-only ``torch.load`` refused (``builtins.exec``), from its error."""
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return m[1] if m else None
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state of checkpoint ``path`` (``trainer_state.pt``).
+    """The trainer state of checkpoint ``path`` (``trainer_state.pt``), read with
+    ``torch.load(weights_only=True)``: plain data only, never a pickled object (which could run
+    code), except the NumPy array of older checkpoints' RNG state.
 
     Raises:
-        OlmoflowError: the file is missing, truncated or not a trainer state.
+        OlmoflowError: the file is missing, truncated, not a trainer state, or holds a pickled
+            object.
     """
+    path = Path(path)
     try:
-        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            state = torch.load(path / TRAINER_STATE, weights_only=True)
         if not isinstance(state, dict) or "step" not in state or "tokens_seen" not in state:
             raise ValueError("no step / tokens_seen in it")
         return state
+    except pickle.UnpicklingError as e:
+        if (name := _pickled_object(e)) is None:
+            raise _unreadable(path, TRAINER_STATE, e) from None
+        raise OlmoflowError(
+            f"checkpoint '{path}' cannot be read ({TRAINER_STATE} holds a pickled Python object, "
+            f"{name}, which olmoflow never loads: loading it could run code); olmoflow writes "
+            f"only tensors, numbers and strings there, so the file was made elsewhere or "
+            f"altered; {_other_checkpoint_hint(path)}") from None
     except Exception as e:  # torch.load raises many kinds on a damaged file
         raise _unreadable(path, TRAINER_STATE, e) from None
 
@@ -369,12 +550,19 @@ def _dcp_load(path: Path, state: dict[str, Any], set_state, *, no_dist: bool = F
         raise _unreadable(path, "model_and_optim", e) from None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, *,
+                    verify: bool = True) -> dict[str, Any]:
     """Restore model, optimizer and RNG states from ``path``; return the trainer state.
 
+    ``verify=False`` skips :func:`verify_checkpoint` for a caller that has just run it (it is
+    collective under torchrun, as this load is).
+
     Raises:
-        OlmoflowError: the checkpoint is damaged or holds another model's or optimizer's state.
+        OlmoflowError: the checkpoint is damaged, was changed since it was saved (see
+            :func:`verify_checkpoint`) or holds another model's or optimizer's state.
     """
+    if verify:
+        verify_checkpoint(path, collective=True)
     trainer_state = read_trainer_state(path)  # before any tensor changes: a bad file changes none
     optimizers = _optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers)
@@ -389,10 +577,12 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
     """Restore only the model weights from a checkpoint directory (evaluation, export, release).
 
     Raises:
-        OlmoflowError: the checkpoint is damaged or holds another model's weights.
+        OlmoflowError: the checkpoint is damaged, was changed since it was saved (see
+            :func:`verify_checkpoint`) or holds another model's weights.
     """
     # Evaluation, generation and release run on rank 0 alone under torchrun while the other ranks
     # wait: a collective dcp.load would deadlock there, so this whole-model load never uses one.
+    verify_checkpoint(path)
     _dcp_load(path, {"model": get_model_state_dict(model)},
               lambda st: set_model_state_dict(model, st["model"]), no_dist=True)
 

@@ -38,6 +38,7 @@ from olmoflow.train.checkpoint import (
     remove_stale_leftovers,
     resolve_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from olmoflow.train.config import TrainConfig
 from olmoflow.train.loggers import MetricWriters, open_writers
@@ -173,10 +174,12 @@ class Trainer:
         directory.
 
         Raises:
-            OlmoflowError: no such checkpoint, or it was saved with another
-                ``train.optimizer.type`` or another objective.
+            OlmoflowError: no such checkpoint, its files changed since it was saved, or it was
+                saved with another ``train.optimizer.type`` or another objective.
         """
         path = resolve_checkpoint(self.save_folder, resume_from)
+        # Before anything of it is read: dcp unpickles .metadata.
+        verify_checkpoint(path, collective=True)
         saved = read_trainer_state(path)
         saved_optimizer = saved.get("optimizer", {}).get("name", "adamw")
         want = self.cfg.optimizer.type
@@ -188,7 +191,7 @@ class Trainer:
         if saved_objective != self.objective.name:
             raise OlmoflowError(f"checkpoint '{path}' was trained with the '{saved_objective}' "
                                 f"objective, not '{self.objective.name}'")
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self.model, self.optimizer, verify=False)  # verified above
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["data_loader"])
         self.data_state = None

@@ -86,7 +86,7 @@ def load_tokenizer(cfg: RunConfig):
     """The run's tokenizer: the one that made the ``train.data`` tokens (of the implementation
     their ``meta.json`` records), else the run's trained one (``tokenizer.implementation``)."""
     if data_dirs(cfg):
-        return token_dirs(cfg)[0].load_tokenizer()
+        return token_dirs(cfg)[0].load_tokenizer(trusted=cfg.tokenizer.implementation)
     from olmoflow.tokenizer import tokenizer_class
 
     return tokenizer_class(cfg.tokenizer.implementation).load(tokenizer_dir(cfg))

@@ -62,7 +62,8 @@ def source_stamp(cfg: RunConfig) -> list[Any]:
 
     sources = cfg.collect.sources
     stamp: list[Any] = [["stdlib", sys.version]] if "stdlib" in sources else []
-    return stamp + [[str(f), sha256_file(f)] for f in source_files(sources)]
+    files = source_files(sources, cfg.collect.follow_symlinks)
+    return stamp + [[str(f), sha256_file(f)] for f in files]
 
 
 COLLECT = Stage("collect", run_collect, ("collect",), (),

@@ -86,7 +86,9 @@ def _raw_summary(lineage: dict) -> str:
                 readers.setdefault(inp["path"], set()).add(step.get("stage"))
     reference = sum(1 for stages in readers.values() if stages == {"decontaminate"})
     text = f"{len(lineage['raw_files']) - reference} raw source file(s)"
-    return text + (f", {reference} evaluation file(s) read for decontamination" if reference else "")
+    if reference:
+        text += f", {reference} evaluation file(s) read for decontamination"
+    return text
 
 
 def run_release(cfg: RunConfig, progress: bool) -> StageResult:
