@@ -3,13 +3,13 @@ before it marked them), never a source that lies inside it, and one process at a
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from checks import one_line_error, tree
 
 from olmoflow.artifacts import LOCK_FILE
 from olmoflow.cli import main
@@ -17,18 +17,6 @@ from olmoflow.data.documents import write_documents
 from olmoflow.data.engine import DATA_MARKER
 
 WORDS = "river stone tree alpha beta gamma delta lantern harbor meadow quartz violet".split()
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (hidden ones too) -> the sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("olmoflow: error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def documents(path: Path, n: int = 20) -> Path:

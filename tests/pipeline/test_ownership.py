@@ -6,7 +6,6 @@ finished output before the rerun that replaces it has succeeded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from checks import one_line_error, tree
 
 from olmoflow.artifacts import LOCK_FILE, StageResult, atomic_write_text
 from olmoflow.cli import main
@@ -30,18 +30,6 @@ from olmoflow.run_dir import RUN_MARKER, RunDir
 from olmoflow.train import distributed
 
 WORDS = "river stone tree alpha beta gamma delta lantern harbor meadow quartz violet".split()
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (hidden ones too) -> the sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("olmoflow: error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture
