@@ -59,7 +59,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     a scalar for a one-element list, and ``"1e-3"`` (YAML 1.1 reads it as a string) for a float.
 
     Raises:
-        OlmoflowError: the value does not fit the type; the message names ``key``.
+        OlmoflowError: the value does not fit the type, or a mapping in it has a key that is not a
+            string; the message names ``key``.
     """
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -85,6 +86,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is Any:
         if origin is dict and not isinstance(value, dict):
             raise OlmoflowError(f"config key '{key}' expects a mapping, got {value!r}")
+        _check_string_keys(value, key)
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key + ".")
@@ -100,6 +102,23 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
         raise OlmoflowError(f"config key '{key}' expects {tp.__name__}, got {value!r}")
     return value
+
+
+def _check_string_keys(value: Any, key: str) -> None:
+    """Raise :class:`OlmoflowError` naming ``key`` if a mapping anywhere in ``value`` has a key
+    that is not a string: YAML reads ``1: 2`` as an integer key, which breaks the sorted JSON of
+    fingerprints and manifests later. Walked with a stack, so deep values cannot overflow it."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k in node:
+                if not isinstance(k, str):
+                    raise OlmoflowError(f"config key '{key}' holds a mapping key {k!r} that is not "
+                                        "a string; quote it")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | None = None) -> Any:
@@ -186,7 +205,11 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``key=value``; the value is parsed as YAML (``3``, ``1e-3``, ``true``, ``[a, b]``)."""
+    """Split ``key=value``; the value is parsed as YAML (``3``, ``1e-3``, ``true``, ``[a, b]``).
+
+    Raises:
+        OlmoflowError: no ``=``, or a value nested too deeply to parse.
+    """
     if "=" not in text:
         raise OlmoflowError(f"override '{text}' is not of the form key=value")
     key, raw = text.split("=", 1)
@@ -194,6 +217,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        # PyYAML composes nodes recursively: a value nested thousands deep exhausts the stack.
+        raise OlmoflowError(f"override '{key.strip()}': the value is nested too deeply") from None
     return key.strip(), value
 
 
@@ -224,7 +250,8 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """A YAML config file's top-level mapping (empty file: ``{}``).
 
     Raises:
-        OlmoflowError: invalid YAML (naming ``file:line``), or a top level that is not a mapping.
+        OlmoflowError: invalid YAML (naming ``file:line``), nested too deeply, not UTF-8, or a top
+            level that is not a mapping.
     """
     try:
         tree = yaml.safe_load(Path(path).read_text()) or {}
@@ -234,6 +261,9 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
         raise OlmoflowError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise OlmoflowError(f"{path}: cannot read ({e})") from None
+    except RecursionError:
+        # PyYAML composes nodes recursively: nesting thousands deep exhausts the stack.
+        raise OlmoflowError(f"{path}: invalid YAML (nested too deeply)") from None
     if not isinstance(tree, dict):
         raise OlmoflowError(f"{path}: the top level must be a mapping of sections, "
                             f"got a {type(tree).__name__}")

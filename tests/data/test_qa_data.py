@@ -71,7 +71,7 @@ def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
     ("dedup.exakt=true", "unknown dedup key 'exakt'; did you mean 'exact'?"),
     ("decontaminate.evals=[arcc]", "did you mean 'arc'?"),
     ("taggers=[pii, gopherr]", "unknown tagger 'gopherr'; did you mean 'gopher'?"),
-    ("dedup.minhash.threshold=abc", "dedup.minhash.threshold must be in (0, 1], got 'abc'"),
+    ("dedup.minhash.threshold=abc", "dedup.minhash.threshold' expects float, got 'abc'"),
     ("tokenize.dtype=uint8", "unknown tokenize.dtype 'uint8'"),
     ("tokenize.tokenizer=/no/such/tokenizer", "no such directory '/no/such/tokenizer'"),
     ("quality.labeled=[/no/such/labels.jsonl]", "'/no/such/labels.jsonl' matches no file"),
@@ -80,9 +80,8 @@ def test_config_mistakes_stop_the_run_before_the_first_step(tmp_path, override, 
     # A typo in the mixer (or dedup, decontamination, taggers) was reported only when its step
     # came, after ingest and tagging had run: hours, on a real corpus.
     steps = "[ingest, tag, dedup, decontaminate, mix, tokenize]"
-    cfg = load_data_config(config(tmp_path, steps=steps), [override])
-    with pytest.raises(OlmoflowError, match=re.escape(message)):
-        Engine(cfg).run()
+    with pytest.raises(OlmoflowError, match=re.escape(message)):  # at load, or before ingest
+        Engine(load_data_config(config(tmp_path, steps=steps), [override])).run()
     assert not (tmp_path / "run" / "documents").exists()
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmoflow.config import all_keys, from_dict, load_tree, note_renamed
+from olmoflow.config import all_keys, coerce, from_dict, load_tree, note_renamed
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 #: The data engine's steps, in pipeline order.
@@ -17,6 +19,14 @@ STEPS = ("ingest", "tag", "dedup", "decontaminate", "mix", "tokenize")
 #: Where each step writes (its manifest.json lies there).
 STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attributes/dedup",
              "decontaminate": "attributes/decontam", "mix": "mixed", "tokenize": "tokens"}
+
+#: The longest directory name most file systems allow, in bytes (a source name becomes one).
+NAME_MAX = 255
+#: The source options ingest reads, and their types (an ``int`` option may also be null).
+SOURCE_OPTIONS: dict[str, type] = {
+    "text_field": str, "strict": bool, "max_document_bytes": int, "html_extractor": str,
+    "allow_network": bool, "max_shard_bytes": int, "follow_symlinks": bool,
+}
 
 
 @dataclass
@@ -171,8 +181,10 @@ def validate(cfg: DataConfig) -> DataConfig:
     """Check choices and names; return ``cfg``.
 
     Raises:
-        OlmoflowError: unknown executor or step, a source without name or paths, or two sources
-            with the same name.
+        OlmoflowError: unknown executor or step, a source without name or paths, two sources
+            with the same name, a name that is no plain directory name (or over 255 bytes), a
+            source, dedup, decontaminate or mixer option of the wrong type, or a tokenize value
+            out of range.
     """
     from olmoflow.data.executor import EXECUTORS
 
@@ -187,13 +199,87 @@ def validate(cfg: DataConfig) -> DataConfig:
             raise OlmoflowError(f"sources[{i}] needs a 'name' and a list of 'paths'")
         if s.name in seen:
             raise OlmoflowError(f"two sources are named '{s.name}'")
-        if "/" in s.name or s.name.startswith("."):
+        if "/" in s.name or "\0" in s.name or s.name.startswith("."):
             raise OlmoflowError(f"source name '{s.name}' must be a plain directory name")
+        # The name becomes a directory: past the file system's name limit, ingest fails midway.
+        if len(os.fsencode(s.name)) > NAME_MAX:
+            raise OlmoflowError(f"sources[{i}].name is {len(os.fsencode(s.name))} bytes long; a "
+                                f"directory name holds at most {NAME_MAX}")
+        _check_source_options(s.options, f"sources[{i}].options")
         seen.add(s.name)
     for n in (cfg.workers, cfg.tokenize.workers):
         if n is not None and n < 1:
             raise OlmoflowError(f"workers must be a positive integer, got {n}")
+    from olmoflow.data.decontam import DecontamConfig
+    from olmoflow.data.dedup import DedupConfig, MinHashConfig
+    from olmoflow.data.mixer import MixConfig
+
+    _check_scalar_fields(DedupConfig, cfg.dedup, "dedup")
+    if isinstance(cfg.dedup.get("minhash"), dict):
+        _check_scalar_fields(MinHashConfig, cfg.dedup["minhash"], "dedup.minhash")
+    _check_scalar_fields(DecontamConfig, cfg.decontaminate, "decontaminate")
+    _check_scalar_fields(MixConfig, cfg.mixer, "mixer")
+    t = cfg.tokenize
+    if t.vocab_size < 1:
+        raise OlmoflowError(f"tokenize.vocab_size must be at least 1, got {t.vocab_size}")
+    if t.min_frequency < 0:
+        raise OlmoflowError(f"tokenize.min_frequency must be >= 0, got {t.min_frequency}")
+    if not 0.0 <= t.heldout_fraction <= 1.0:  # written so that NaN fails too
+        raise OlmoflowError(f"tokenize.heldout_fraction must be in [0, 1], got "
+                            f"{t.heldout_fraction}")
+    if t.heldout_max_documents < 0:
+        raise OlmoflowError(f"tokenize.heldout_max_documents must be >= 0, got "
+                            f"{t.heldout_max_documents}")
     return cfg
+
+
+def _check_scalar_fields(cls: type, data: dict[str, Any], where: str) -> None:
+    """Check the types of the fields of the step config ``cls`` that hold a number, string or
+    boolean (or null), as they stand in ``data``; the step's own ``from_dict`` checks names and
+    ranges. Integers must fit in 64 bits (NumPy and the hashes take them as C integers).
+
+    Raises:
+        OlmoflowError: a value of the wrong type, or an integer that does not fit, naming the key.
+    """
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        tp = hints.get(key) if isinstance(key, str) else None
+        args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union,
+                                                                      types.UnionType) else {tp}
+        if value is None and type(None) in args:
+            continue
+        scalars = args & {int, float, str, bool}
+        if len(scalars) != 1 or args - scalars - {type(None)}:
+            continue  # not a plain scalar field: the step's own from_dict checks it
+        (base,) = scalars
+        name = f"{where}.{key}"
+        coerce(value, base, name)
+        if base is int and not -2**63 <= value < 2**63:
+            raise OlmoflowError(f"config key '{name}' does not fit in 64 bits, got {value}")
+
+
+def _check_source_options(options: dict[str, Any], where: str) -> None:
+    """Check the types of the source ``options`` that ingest reads (:data:`SOURCE_OPTIONS`);
+    other keys are left to the reader.
+
+    Raises:
+        OlmoflowError: a value of the wrong type, or a byte limit outside [1, 2**63), naming the
+            key (``sources[0].options.max_shard_bytes``).
+    """
+    for key, value in options.items():
+        tp = SOURCE_OPTIONS.get(key)
+        if tp is None:
+            continue
+        name = f"{where}.{key}"
+        if value is None and tp is int:
+            continue
+        if tp is int and (not isinstance(value, int) or isinstance(value, bool)):
+            raise OlmoflowError(f"config key '{name}' expects an integer, got {value!r}")
+        if tp is int and not 1 <= value < 2**63:
+            # Beyond a C integer, the reader's limits fail with OverflowError mid-ingest.
+            raise OlmoflowError(f"config key '{name}' must be in [1, 2**63), got {value}")
+        if tp is not int and not isinstance(value, tp):
+            raise OlmoflowError(f"config key '{name}' expects {tp.__name__}, got {value!r}")
 
 
 def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None,

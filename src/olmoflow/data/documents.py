@@ -215,7 +215,7 @@ def read_documents(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
     except FileNotFoundError:
         raise OlmoflowError(f"no such file: '{path}'") from None
-    except (EOFError, gzip.BadGzipFile, zlib.error, ValueError) as e:
+    except (EOFError, gzip.BadGzipFile, zlib.error, ValueError, RecursionError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise OlmoflowError(
             f"damaged documents file '{path}' ({reason}); rerun the stage that wrote it"
@@ -236,6 +236,9 @@ def parse_jsonl_line(raw: bytes, text_field: str = "text") -> tuple[dict[str, An
         obj = json.loads(line)
     except ValueError as e:
         return None, f"not JSON ({getattr(e, 'msg', e)})"
+    except RecursionError:
+        # The decoder recurses per nesting level; a line nested ~1,000 deep exhausts the stack.
+        return None, "not JSON (nested too deeply)"
     if not isinstance(obj, dict):
         return None, f"not a JSON object (a {type(obj).__name__})"
     if text_field not in obj:

@@ -26,7 +26,9 @@ Bad input never stops a run and is never silently lost: every damaged file, unde
 malformed record, over-large document or empty file is counted by kind in a :class:`ReadLog`
 with ``file:line`` examples and logged; with ``strict`` the first one raises
 :class:`~olmoflow.errors.OlmoflowError` naming the file and line. The kinds: ``damaged_file``
-(truncated or corrupt gzip, zstd, Parquet or WARC: the documents before the damage are kept),
+(truncated or corrupt gzip, zstd, Parquet or WARC: the documents before the damage are kept;
+a gzip CRC failure, found only at the end of a member, keeps that member's documents and the
+message says they are unverified),
 ``empty_file``, ``invalid_utf8``, ``not_json``, ``not_object``, ``missing_text``,
 ``text_not_string``, ``too_large`` (over ``max_document_bytes``) and, from ingest,
 ``unsupported_file``. WARC records that are not documents (non-2xx, not text, no text left after
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
+import gzip
 import logging
 import os
 import re
@@ -128,6 +131,23 @@ _REASON_KIND = (
 )
 
 
+def _damage_message(path: str, e: BaseException, kept: int, lines: int) -> str:
+    """What a damaged compressed file cost, saying exactly which documents were kept.
+
+    gzip checks its CRC (and length) only at the end of a member, after every line of it was
+    decoded and passed on: those documents are kept but unverified, and the message says so.
+    Other damage (a truncated file, an invalid deflate or zstd block) stops decoding where it is
+    found; the message names the documents read before that point.
+    """
+    first = _first_line(e)
+    span = f"the {kept} documents of lines 1-{lines}" if lines else "no documents"
+    if isinstance(e, gzip.BadGzipFile) and ("CRC check failed" in first
+                                            or "Incorrect length" in first):
+        return (f"damaged gzip data ({first}); kept {span}, decoded before the checksum at the "
+                "end of the member could be checked, so some of them may be corrupt")
+    return f"damaged {_damage_kind(path)} data ({first}); kept {span} before it"
+
+
 def read_jsonl(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, Any]]:
     """Documents of a JSONL file (plain, gzip or zstd), one per non-blank line.
 
@@ -136,7 +156,7 @@ def read_jsonl(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str,
     """
     path = inp.path
     rl.files.append(Path(path))
-    lineno, records = 0, 0
+    lineno, records, kept = 0, 0, 0
     try:
         with open_binary(path) as f:
             while True:
@@ -162,12 +182,11 @@ def read_jsonl(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str,
                     rl.bad(kind, f"{path}:{lineno}", f"malformed JSONL: {reason}", size)
                     continue
                 meta = {"path": _rel_path(inp), "line": lineno}
+                kept += 1
                 yield jsonl_document(obj, opts.text_field, f"{inp.name}:{lineno}", inp.source, meta)
     except _damage_errors() as e:
         rl.bad("damaged_file", f"{path}:{lineno + 1}",
-               f"damaged {_damage_kind(path)} data ({_first_line(e)}); kept the documents "
-               "before it",
-               documents=0)
+               _damage_message(path, e, kept, lineno), documents=0)
         return
     if records == 0:
         rl.bad("empty_file", path, "empty file (no records)", documents=0)

@@ -6,6 +6,7 @@ quantities (``head_dim``, per-layer attention windows) computed, never stored tw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -40,6 +41,9 @@ class ModelConfig:
         z_loss: z-loss coefficient (loss += z_loss * mean(logsumexp^2)).
         dropout: dropout on the residual branches (0 in OLMo; kept for experiments).
         attention_backend: "sdpa" (PyTorch scaled_dot_product_attention) or "eager" (explicit math).
+
+    Raises:
+        OlmoflowError: an inconsistent or out-of-range field, named (see :meth:`validate`).
     """
 
     vocab_size: int = 0
@@ -68,9 +72,25 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`OlmoflowError` naming the first inconsistent field."""
+        """Raise :class:`OlmoflowError` naming the first inconsistent field.
+
+        Checked at load, so a value that would crash later (a zero divisor) or train a NaN model
+        (a NaN RoPE base, a non-positive norm epsilon) is refused before anything runs.
+        """
         if self.d_model <= 0 or self.n_layers <= 0 or self.n_heads <= 0 or self.mlp_hidden <= 0:
             raise OlmoflowError("model: d_model, n_layers, n_heads and mlp_hidden must be positive")
+        for name in ("n_kv_heads", "vocab_pad_multiple", "full_attention_every"):
+            if getattr(self, name) < 1:
+                raise OlmoflowError(f"model.{name} must be at least 1, got {getattr(self, name)}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise OlmoflowError(f"model.head_dim must be at least 1 (or null), got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise OlmoflowError(f"model.{name} must be a finite number > 0, got {value}")
+        # Written so that NaN fails too; p=1 would zero every residual branch.
+        if not 0.0 <= self.dropout < 1.0:
+            raise OlmoflowError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise OlmoflowError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "

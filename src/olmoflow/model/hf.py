@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from olmoflow.artifacts import atomic_path, atomic_write_json
@@ -149,6 +150,12 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int | None = None, pad_token_id
     return d
 
 
+def _get(d: dict[str, Any], key: str, default: Any) -> Any:
+    """``d[key]``, or ``default`` when it is absent or null (as transformers reads a config)."""
+    v = d.get(key)
+    return default if v is None else v
+
+
 def _rope_entries(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(sliding, full)`` RoPE parameter dicts from either config style.
 
@@ -169,9 +176,60 @@ def _rope_entries(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         sliding = {}
     for e in (full, sliding):
         if e.get("rope_theta") is None:
-            e["rope_theta"] = d.get("rope_theta", 500_000.0)
+            e["rope_theta"] = _get(d, "rope_theta", 500_000.0)
         e["rope_type"] = e.get("rope_type", e.get("type", "default"))
     return sliding, full
+
+
+# config.json keys that must be positive integers, and those that may be absent, null or 0.
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                  "original_max_position_embeddings")
+# Positions the RoPE tables and the KV cache may be built for: 16M, far past any released model
+# (OLMo 3: 65,536), and small enough that a hand-edited value cannot allocate terabytes.
+_MAX_POSITIONS = 1 << 24
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_config_values(d: Any) -> None:
+    """Raise :class:`OlmoflowError` naming the first key of an OLMo config dict that is missing
+    or of the wrong type, before any of it is used."""
+    if not isinstance(d, dict):
+        raise OlmoflowError(f"config.json holds a JSON {type(d).__name__}, not an object")
+    for key in (*_REQUIRED_INTS, *_OPTIONAL_INTS):
+        v = d.get(key)
+        if v is None and key in _OPTIONAL_INTS:
+            continue
+        if key not in d:
+            raise OlmoflowError(f"config.json has no '{key}'")
+        least = 1 if key in _REQUIRED_INTS else 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            kind = "a positive" if least else "a non-negative"
+            raise OlmoflowError(f"config.json '{key}' must be {kind} integer, not {_short(v)}")
+    for key in ("max_position_embeddings", "original_max_position_embeddings"):
+        if (d.get(key) or 0) > _MAX_POSITIONS:
+            raise OlmoflowError(f"config.json '{key}'={d[key]} is over {_MAX_POSITIONS}")
+    for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                              or not math.isfinite(v) or v < 0):
+            raise OlmoflowError(f"config.json '{key}' must be a non-negative number, "
+                                f"not {_short(v)}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise OlmoflowError(f"config.json '{key}' must be an object, not {_short(d[key])}")
+    layer_types = d.get("layer_types")
+    if d.get("model_type") == "olmo3" and layer_types is not None and (
+            not isinstance(layer_types, list) or len(layer_types) != d["num_hidden_layers"]
+            or not all(isinstance(t, str) for t in layer_types)):
+        raise OlmoflowError(f"config.json 'layer_types' must be a list of "
+                            f"num_hidden_layers={d['num_hidden_layers']} strings")
 
 
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
@@ -182,10 +240,12 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     ``hidden_size // num_attention_heads`` as in transformers.
 
     Raises:
-        OlmoflowError: not OLMo 2/3, tied embeddings, a RoPE variant other than default/YaRN (or
-            YaRN with non-default ``beta_fast``/``beta_slow``/``attention_factor``), or a
-            ``layer_types`` pattern other than OLMo 3's.
+        OlmoflowError: not a JSON object, a shape key missing or not a positive integer (sizes
+            beyond any model bounded), not OLMo 2/3, tied embeddings, a RoPE variant other than
+            default/YaRN (or YaRN with non-default ``beta_fast``/``beta_slow``/
+            ``attention_factor``), or a ``layer_types`` pattern other than OLMo 3's.
     """
+    _check_config_values(d)
     mt = d.get("model_type")
     if mt not in ("olmo2", "olmo3"):
         raise OlmoflowError(
@@ -225,13 +285,13 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"],
         n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
         head_dim=head_dim, mlp_hidden=d["intermediate_size"],
-        max_sequence_length=d.get("max_position_embeddings", 4096),
+        max_sequence_length=_get(d, "max_position_embeddings", 4096),
         rope_theta=float(rope["rope_theta"]),
         sliding_window=d.get("sliding_window") if mt == "olmo3" else None,
         full_attention_every=every, yarn_factor=yarn,
         yarn_original_max_length=rope.get("original_max_position_embeddings")
         or d.get("original_max_position_embeddings") or 8192,
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6), init_std=d.get("initializer_range", 0.02),
+        rms_norm_eps=_get(d, "rms_norm_eps", 1e-6), init_std=_get(d, "initializer_range", 0.02),
     )
     if layer_types and [cfg.is_full_attention(i) for i in range(cfg.n_layers)] != [
         t == "full_attention" for t in layer_types
@@ -303,9 +363,10 @@ def _weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise OlmoflowError(f"'{index}' is not a safetensors index ({e})") from None
-        files = [path / f for f in sorted(set(weight_map.values()))]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise OlmoflowError(f"'{index}' is not a safetensors index "
+                                f"({type(e).__name__}: {e})") from None
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
@@ -316,6 +377,85 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _read_headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """``{name: (shape, dtype, file)}`` of every tensor in ``files``, from the safetensors headers
+    alone (no tensor data is read).
+
+    Raises:
+        OlmoflowError: a file that is not a complete safetensors file (truncated, a damaged
+            header, garbage), or a tensor name in two shards.
+    """
+    out: dict[str, tuple[tuple[int, ...], str, Path]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k in out:
+                        raise OlmoflowError(f"'{f}': weight '{k}' is also in '{out[k][2]}'")
+                    sl = st.get_slice(k)
+                    out[k] = (tuple(sl.get_shape()), sl.get_dtype(), f)
+        except (SafetensorError, OSError) as e:
+            raise OlmoflowError(f"'{f}' is not a readable safetensors file "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                ) from None
+    return out
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face name and shape of every weight of an OLMo 2/3 model of shape ``cfg`` (the
+    shapes :class:`olmoflow.model.olmo.Olmo` builds, worked out without building it)."""
+    d, hidden, v = cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    layer = {
+        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+        "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+        "post_attention_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (hidden, d), "mlp.up_proj.weight": (hidden, d),
+        "mlp.down_proj.weight": (d, hidden),
+    }
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+           "lm_head.weight": (v, d)}
+    for i in range(cfg.n_layers):
+        out.update({f"model.layers.{i}.{k}": shape for k, shape in layer.items()})
+    return out
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_weights(cfg: ModelConfig, header: dict[str, tuple[tuple[int, ...], str, Path]],
+                   cfg_path: Path) -> None:
+    """Raise :class:`OlmoflowError` unless the safetensors headers hold exactly the weights of
+    ``cfg``, in float dtypes. Checked before a model is built or a tensor read, so an edited
+    config (a million layers) fails at once instead of allocating a model the file cannot fill."""
+    names = [k for k in header if "rotary_emb" not in k]
+    layers = {int(m.group(1)) for k in names if (m := _LAYER.match(k))}
+    if len(layers) != cfg.n_layers or (layers and max(layers) != cfg.n_layers - 1):
+        top = f" (indices up to {max(layers)})" if layers else ""
+        raise OlmoflowError(f"{cfg_path}: num_hidden_layers={cfg.n_layers} but the weights hold "
+                            f"{len(layers)} layers{top}")
+    expected = expected_hf_shapes(cfg)
+    reverse = [(dst, src) for src, dst in _NAMES]
+
+    def ours(names: list[str]) -> list[str]:  # the names from_pretrained's own check reports
+        return [_translate(k, reverse) or k for k in names[:3]]
+
+    missing = sorted(set(expected) - set(names))
+    unexpected = sorted(set(names) - set(expected))
+    wrong = [k for k, s in expected.items() if k in header and header[k][0] != s]
+    if missing or unexpected or wrong:
+        detail = (f"; {ours(wrong)[0]} is {list(header[wrong[0]][0])} in the file, "
+                  f"{list(expected[wrong[0]])} by the config" if wrong else "")
+        raise OlmoflowError(f"the weights in '{cfg_path.parent}' do not match its config.json: "
+                            f"missing {ours(missing)}, unexpected {ours(unexpected)}, "
+                            f"wrong shape {ours(wrong)}{detail}")
+    for k in names:
+        shape, dtype, f = header[k]
+        if dtype not in _FLOAT_DTYPES:
+            raise OlmoflowError(f"'{f}': weight '{k}' has dtype {dtype}, not a float type")
+
+
 def read_hf_dir(path: str | Path, *, device: str | torch.device = "cpu",
                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The :class:`ModelConfig` and the weights (in olmoflow's names) of a local Hugging Face
@@ -324,18 +464,39 @@ def read_hf_dir(path: str | Path, *, device: str | torch.device = "cpu",
     Reads ``config.json`` (transformers 4 or 5 style) and ``model.safetensors`` or the shards
     listed in ``model.safetensors.index.json``, onto ``device``, keeping the stored dtype.
 
+    The config is checked against the safetensors headers (names, shapes, float dtypes) before
+    any tensor is read, so damaged or mismatched files cost no more than their headers.
+
     Raises:
-        OlmoflowError: missing directory/config/weights, or an unsupported config.
+        OlmoflowError: missing directory/config/weights; a ``config.json`` that is not JSON, not
+            an object, lacks a key or has one of the wrong type, or is unsupported; a damaged
+            safetensors file (truncated, bad header, garbage); or weights that do not match the
+            config. Each names the file.
     """
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise OlmoflowError(f"no config.json in '{path}' (expected a Hugging Face model directory)")
     try:
-        cfg = model_config_from_hf(json.loads(cfg_path.read_text()))
-    except json.JSONDecodeError as e:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise OlmoflowError(f"'{cfg_path}' is not valid JSON ({e})") from None
+    try:
+        cfg = model_config_from_hf(raw)
+    except OlmoflowError as e:
+        raise OlmoflowError(f"{cfg_path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError,
+            OverflowError) as e:
+        # a value of an unexpected type deeper in the config (RoPE entries and the like)
+        raise OlmoflowError(f"{cfg_path}: unsupported value ({type(e).__name__}: {e})") from None
+    files = _weight_files(path)
+    _check_weights(cfg, _read_headers(files), cfg_path)
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
-        state.update(load_file(str(f), device=str(device)))
+    for f in files:
+        try:
+            state.update(load_file(str(f), device=str(device)))
+        except (SafetensorError, OSError) as e:
+            raise OlmoflowError(f"'{f}' is not a readable safetensors file "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                ) from None
     return cfg, from_hf_state_dict(state)

@@ -342,9 +342,11 @@ class Olmo(nn.Module):
         :func:`olmoflow.infer.quantize.quantize_model`). The model is returned in eval mode.
 
         Raises:
-            OlmoflowError: the directory or its files are missing, the config is not OLMo 2/3, the
-                weights do not match the config (names or shapes), or 8-bit loading was asked for
-                without its library.
+            OlmoflowError: the directory or its files are missing or damaged (a truncated or
+                garbled ``model.safetensors``, a ``config.json`` that is not a JSON object of the
+                expected keys and types), the config is not OLMo 2/3, the weights do not match the
+                config (names or shapes, checked against the safetensors header before the model
+                is built), or 8-bit loading was asked for without its library.
         """
         from olmoflow.model.hf import read_hf_dir
 

@@ -248,8 +248,8 @@ class BPETokenizer(BaseTokenizer):
         present, else ``<|endoftext|>`` / ``<|pad|>``; a model without a pad token pads with EOS.
 
         Raises:
-            OlmoflowError: the path or ``tokenizer.json`` is missing or unreadable, or the EOS token
-                is not in the vocabulary.
+            OlmoflowError: the path or ``tokenizer.json`` is missing or unreadable, its token ids
+                run far past its number of tokens, or the EOS token is not in the vocabulary.
         """
         p = Path(path_or_dir)
         if not p.exists():
@@ -263,6 +263,7 @@ class BPETokenizer(BaseTokenizer):
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise OlmoflowError(f"cannot read tokenizer {file}: {first}") from None
+        _check_ids(tok, file)
         config: dict[str, Any] = {}
         for name in (SPECIAL_MAP_FILE, CONFIG_FILE):  # tokenizer_config.json wins
             config.update(_read_json(d / name))
@@ -278,6 +279,23 @@ class BPETokenizer(BaseTokenizer):
         if isinstance(max_len, int):
             out.model_max_length = max_len
         return out
+
+
+# Slack for ids past the number of tokens: a released vocabulary may leave a few ids unused, but
+# never more than it uses (the vocab size is the largest id + 1, and sizes every table).
+_MAX_UNUSED_IDS = 1024
+
+
+def _check_ids(tok: _HFTokenizer, file: Path) -> None:
+    """Refuse a vocabulary whose largest id is far past its number of tokens (one id of 2^31 - 1
+    would make a 2-billion-entry vocabulary and tables to match)."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    if not ids:
+        raise OlmoflowError(f"tokenizer {file} has an empty vocabulary")
+    top = max(ids)
+    if top >= 2 * len(ids) + _MAX_UNUSED_IDS:
+        raise OlmoflowError(f"tokenizer {file} has token id {top} but only {len(ids)} tokens; "
+                            "ids must number the vocabulary from 0")
 
 
 def _iter_file_texts(files: list[str]) -> Iterable[str]:

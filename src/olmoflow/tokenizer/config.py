@@ -30,7 +30,7 @@ class TokenizerConfig:
 
     Raises:
         OlmoflowError: an unknown ``pre_tokenizer``; a ``vocab_size`` below 1, or for ``bpe``
-            below 258 (its 256 byte symbols and 2 special tokens).
+            below 258 (its 256 byte symbols and 2 special tokens); a ``min_frequency`` below 0.
     """
 
     implementation: str = "bpe"
@@ -49,3 +49,6 @@ class TokenizerConfig:
             why = " (byte-level BPE: 256 byte symbols + 2 special tokens)" if least > 1 else ""
             raise OlmoflowError(
                 f"tokenizer.vocab_size must be at least {least}{why}, got {self.vocab_size}")
+        # The BPE trainer takes an unsigned count: a negative one fails only when training starts.
+        if self.min_frequency < 0:
+            raise OlmoflowError(f"tokenizer.min_frequency must be >= 0, got {self.min_frequency}")

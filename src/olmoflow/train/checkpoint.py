@@ -278,16 +278,70 @@ def prune_checkpoints(save_folder: Path, newest: Path, *, keep_every: int = 0,
     return [p.name for p in doomed]
 
 
-def read_index(save_folder: Path) -> list[dict[str, str]]:
-    """The rows of ``save_folder/checkpoints.csv`` (empty when there is none)."""
+def _index_row(r: dict[Any, Any]) -> dict[str, str] | None:
+    """``r`` with exactly the index's fields (absent ones empty), or None when it is not a row
+    this module wrote: a short or long line, or no checkpoint name and step that agree."""
+    if None in r or None in r.values():  # csv.DictReader's marks of a short or a long line
+        return None
+    name, step, tokens = r.get("name") or "", r.get("step") or "", r.get("tokens") or ""
+    if (parse_checkpoint_name(name) is None or not step.isdigit()
+            or int(step) != parse_checkpoint_name(name) or (tokens and not tokens.isdigit())):
+        return None
+    return {k: r.get(k) or "" for k in INDEX_FIELDS}
+
+
+def _parse_index(save_folder: Path) -> tuple[list[dict[str, str]], bool]:
+    """``(well-formed rows of checkpoints.csv, whether the file is damaged)``."""
     path = Path(save_folder) / INDEX
     if not path.is_file():
-        return []
-    return list(csv.DictReader(io.StringIO(path.read_text())))
+        return [], False
+    try:
+        reader = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))
+        raw = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return [], True
+    rows = [row for r in raw if (row := _index_row(r)) is not None]
+    damaged = (len(rows) != len(raw)
+               or not {"step", "name"} <= set(reader.fieldnames or ()))
+    return rows, damaged
+
+
+def read_index(save_folder: Path) -> list[dict[str, str]]:
+    """The rows of ``save_folder/checkpoints.csv`` (empty when there is none), each with every
+    field of ``INDEX_FIELDS``. Lines that are not well-formed rows (a hand edit, a damaged file)
+    are left out: the index is bookkeeping, and :func:`save_checkpoint` rebuilds a damaged one.
+    """
+    return _parse_index(save_folder)[0]
+
+
+def _rebuilt_row(path: Path) -> dict[str, str]:
+    """The index row of checkpoint directory ``path``, from its name and trainer state."""
+    step = parse_checkpoint_name(path.name)
+    tokens, loss = "", ""
+    try:
+        state = read_trainer_state(path)
+        tokens = str(int(state["tokens_seen"]))
+        loss = "" if state.get("loss") is None else f"{float(state['loss']):.6f}"
+    except (OlmoflowError, KeyError, TypeError, ValueError):
+        pass  # a damaged trainer state still leaves the name and step worth recording
+    return {"step": str(step), "tokens": tokens, "name": path.name, "loss": loss,
+            "saved_at": "", "status": "kept"}
 
 
 def _update_index(save_folder: Path, row: dict[str, Any], pruned: list[str]) -> None:
-    rows = {r["name"]: r for r in read_index(save_folder)}
+    """Add ``row`` to ``checkpoints.csv`` and mark ``pruned`` there, rewriting it atomically.
+
+    A damaged index (missing columns, garbage lines) never stops a save: it is rebuilt from its
+    well-formed rows and the checkpoints on disk, with a one-line warning.
+    """
+    parsed, damaged = _parse_index(save_folder)
+    rows = {r["name"]: r for r in parsed}
+    if damaged:
+        log.warning("%s is damaged; rebuilt from its readable rows and the checkpoints in %s",
+                    Path(save_folder) / INDEX, save_folder)
+        for p in list_checkpoints(save_folder):
+            if p.name not in rows:
+                rows[p.name] = _rebuilt_row(p)
     rows[row["name"]] = {k: str(v) for k, v in row.items()}
     for name in pruned:
         if name in rows:
