@@ -17,13 +17,13 @@ from olmoflow.pipeline.config import load_config
 from olmoflow.train.checkpoint import (
     INDEX,
     checkpoint_name,
-    format_tokens,
     has_checkpoint,
     list_checkpoints,
     parse_checkpoint_name,
     prune_checkpoints,
     resolve_checkpoint,
 )
+from olmoflow.train.checkpoint_names import format_tokens
 
 TOKENS_PER_STEP = 4 * 8  # resume_helpers.train_config: 4 instances of 8 tokens
 

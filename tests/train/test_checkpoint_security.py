@@ -21,7 +21,6 @@ from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.train.checkpoint import (
-    CHECKSUMS,
     LATEST,
     TRAINER_STATE,
     list_checkpoints,
@@ -32,6 +31,7 @@ from olmoflow.train.checkpoint import (
     set_rng_state,
     write_checksums,
 )
+from olmoflow.train.checkpoint_verify import CHECKSUMS
 
 KW = dict(max_steps=4, checkpoint__save_interval=2)
 

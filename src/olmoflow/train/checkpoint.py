@@ -1,7 +1,7 @@
 """Training checkpoints named like OLMo's, an index of them, and a pruning policy.
 
 A checkpoint is a directory ``save_folder/{stage}-step{N}-tokens{T}`` (``stage1-step1000-tokens5M``;
-see :func:`format_tokens` for ``T``) holding model and optimizer state through
+see :mod:`olmoflow.train.checkpoint_names`) holding model and optimizer state through
 ``torch.distributed.checkpoint`` (so a run saved on N processes loads on M) in ``model_and_optim/``,
 the trainer state (step, tokens seen, data-loader cursor, every RNG state, scheduler and optimizer
 extras) in ``trainer_state.pt``, and the resolved run config in ``config.yaml``. Directories of the
@@ -11,9 +11,10 @@ The trainer state holds plain data only (tensors, numbers, strings, lists and di
 as tensors) and is read with ``torch.load(weights_only=True)``, so a crafted ``trainer_state.pt``
 cannot run code. ``torch.distributed.checkpoint`` reads its ``.metadata`` with ``pickle``, though:
 ``checksums.json``, written last before the rename, records the sha256 of every other file, and
-every load checks the whole directory against it first (:func:`verify_checkpoint`). That detects
-corruption and edits, not a malicious checkpoint whose author recomputed the hashes: a checkpoint
-directory is trusted input (a release directory, safetensors + JSON, is safe from anyone).
+every load checks the whole directory against it first (:mod:`olmoflow.train.checkpoint_verify`).
+That detects corruption and edits, not a malicious checkpoint whose author recomputed the hashes:
+a checkpoint directory is trusted input (a release directory, safetensors + JSON, is safe from
+anyone).
 
 A checkpoint is written under a temporary name and renamed when complete; then older checkpoints
 are pruned (``keep_every``/``keep_last``), ``checkpoints.csv`` (every checkpoint ever saved, kept or
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
-import os
 import pickle
 import random
 import re
@@ -50,20 +49,26 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries, sha256_file
+from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries
 from olmoflow.errors import OlmoflowError
 from olmoflow.train import distributed
+from olmoflow.train.checkpoint_names import (  # re-exported: the names a checkpoint user needs
+    _NAME,
+    TRAINER_STATE,
+    checkpoint_name,
+    list_checkpoints,
+    parse_checkpoint_name,
+)
+from olmoflow.train.checkpoint_verify import (
+    _other_checkpoint_hint,
+    _unreadable,
+    verify_checkpoint,
+    write_checksums,
+)
 
 LATEST = "latest"
 INDEX = "checkpoints.csv"
 INDEX_FIELDS = ("step", "tokens", "name", "loss", "saved_at", "status")
-TRAINER_STATE = "trainer_state.pt"
-# The sha256 of every other file of a checkpoint, recorded at save time.
-CHECKSUMS = "checksums.json"
-CHECKSUMS_FORMAT = 1
-# "{stage}-step{N}-tokens{T}" (the stage may itself contain hyphens) or the older "stepN".
-_NAME = re.compile(r"^(?:(?P<stage>.+)-)?step(?P<step>\d+)(?:-tokens(?P<tokens>\d+[KMB]?))?$")
-_UNITS = (("B", 10**9), ("M", 10**6), ("K", 10**3))
 
 # One process without init_process_group is a supported dcp mode, not a problem to warn about.
 warnings.filterwarnings("ignore",
@@ -75,44 +80,6 @@ log = logging.getLogger(__name__)
 # NumPy's state as a uint32 array. Rebuilding an array of a dtype runs no user-chosen code.
 _NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
                         type(np.dtype(np.uint32))]
-
-
-def format_tokens(tokens: int) -> str:
-    """Token count for a checkpoint name: the largest unit of K=1e3, M=1e6, B=1e9 that is at most
-    ``tokens``, rounded UP to a whole number of it, as OLMo 2's published checkpoints do in B
-    (step 1000 x 4,194,304 tokens = 4.19B -> ``tokens5B``; 3.895T -> ``tokens3896B``); below
-    1000, the exact count. Names stay unique because the step is in them too.
-
-    >>> format_tokens(640), format_tokens(5120), format_tokens(4_194_304_000)
-    ('640', '6K', '5B')
-    """
-    for unit, size in _UNITS:
-        if tokens >= size:
-            return f"{-(-tokens // size)}{unit}"
-    return str(tokens)
-
-
-def checkpoint_name(stage: str, step: int, tokens: int) -> str:
-    """``{stage}-step{step}-tokens{format_tokens(tokens)}``, e.g. ``stage1-step1000-tokens5B``."""
-    return f"{stage}-step{step}-tokens{format_tokens(tokens)}"
-
-
-def parse_checkpoint_name(name: str) -> int | None:
-    """The step of a checkpoint directory name (new ``stage1-step10-tokens6K`` or old ``step10``
-    form), or None when ``name`` is not one."""
-    m = _NAME.match(name)
-    return int(m["step"]) if m else None
-
-
-def list_checkpoints(save_folder: Path) -> list[Path]:
-    """The complete checkpoint directories in ``save_folder`` (either name form), oldest first."""
-    save_folder = Path(save_folder)
-    if not save_folder.is_dir():
-        return []
-    found = [(step, p) for p in save_folder.iterdir()
-             if (step := parse_checkpoint_name(p.name)) is not None
-             and (p / TRAINER_STATE).is_file()]
-    return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name))]
 
 
 def rng_state() -> dict[str, Any]:
@@ -423,140 +390,6 @@ def resolve_checkpoint(save_folder: Path, resume_from: str) -> Path:
            if pruned else "")
     raise OlmoflowError(f"no checkpoint at '{resume_from}' ({why}expected 'latest', a checkpoint "
                         f"directory or stepN; '{save_folder}' has: {', '.join(names) or 'none'})")
-
-
-def _other_checkpoint_hint(path: Path) -> str:
-    """Where to resume instead of the unreadable checkpoint ``path``."""
-    others = [c.name for c in list_checkpoints(path.parent) if c.name != path.name]
-    return (f"resume from another one, e.g. resume_from={others[-1]}" if others
-            else "no other checkpoint is left to resume from")
-
-
-def _unreadable(path: Path, what: str, e: BaseException) -> OlmoflowError:
-    """The one-line error for a checkpoint that exists but cannot be loaded, naming the others."""
-    path = Path(path)
-    # The first rank's own error, no traceback.
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-    return OlmoflowError(f"checkpoint '{path}' cannot be read ({what}: {detail}); it is damaged or "
-                         f"was saved for another model or train.optimizer; "
-                         f"{_other_checkpoint_hint(path)}")
-
-
-def _checkpoint_files(path: Path) -> tuple[list[str], list[str]]:
-    """``(files, links)``: the relative POSIX paths of the regular files under checkpoint ``path``
-    except :data:`CHECKSUMS`, and of its symbolic links (never followed), both sorted."""
-    files, links = [], []
-    for root, dirs, names in os.walk(path):
-        rel_root = Path(root).relative_to(path)
-        for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
-            rel = (rel_root / name).as_posix()
-            full = Path(root) / name
-            if full.is_symlink():
-                links.append(rel)
-            elif rel != CHECKSUMS and full.is_file():
-                files.append(rel)
-    return sorted(files), sorted(links)
-
-
-def write_checksums(path: Path) -> None:
-    """Record the sha256 and size of every file of checkpoint directory ``path`` in its
-    :data:`CHECKSUMS` (JSON), which :func:`verify_checkpoint` checks before any load."""
-    path = Path(path)
-    files = {rel: {"sha256": sha256_file(path / rel), "bytes": (path / rel).stat().st_size}
-             for rel in _checkpoint_files(path)[0]}
-    atomic_write_text(path / CHECKSUMS, json.dumps(
-        {"format": CHECKSUMS_FORMAT, "algorithm": "sha256", "files": files},
-        indent=1, sort_keys=True) + "\n")
-
-
-def _recorded_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
-    """The files :data:`CHECKSUMS` of ``path`` records, or None when it has none (saved by an
-    older olmoflow).
-
-    Raises:
-        OlmoflowError: the file is not one :func:`write_checksums` wrote.
-    """
-    file = path / CHECKSUMS
-    if not file.exists() and not file.is_symlink():
-        return None
-    try:
-        if file.is_symlink() or not file.is_file():
-            raise ValueError("not a regular file")
-        data = json.loads(file.read_bytes())
-        files = data.get("files") if isinstance(data, dict) else None
-        if (not isinstance(files, dict) or data.get("algorithm") != "sha256"
-                or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
-                           and isinstance(v.get("bytes"), int) for v in files.values())):
-            raise ValueError("not a checksum list olmoflow wrote")
-        return files
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise _changed(path, CHECKSUMS, " ".join(str(e).split())[:200]) from None
-
-
-def _changed(path: Path, name: str, why: str) -> OlmoflowError:
-    """The one-line error for a checkpoint whose files differ from those saved."""
-    name = name if name.isprintable() else ascii(name)  # an added file's name may hold a newline
-    return OlmoflowError(f"checkpoint '{path}' cannot be read ({name}: {why}); it was damaged or "
-                         f"edited after it was saved; {_other_checkpoint_hint(path)}")
-
-
-def _verify_files(path: Path) -> str | None:
-    """The error line :func:`verify_checkpoint` raises for ``path``, or None when it loads."""
-    try:
-        recorded = _recorded_checksums(path)
-        if recorded is None:
-            log.warning("checkpoint '%s' has no %s (saved by an older olmoflow): its files are "
-                        "loaded without checking them", path, CHECKSUMS)
-            return None
-        files, links = _checkpoint_files(path)
-        if links:
-            raise _changed(path, links[0], "a symbolic link, which a saved checkpoint never has")
-        # Names are compared as sets: a recorded name is never opened, so '../x' reads nothing.
-        missing = sorted(set(recorded) - set(files))
-        if missing:
-            raise _changed(path, missing[0], f"missing (one of {len(missing)} file(s) recorded "
-                                             f"in {CHECKSUMS} but absent)")
-        extra = sorted(set(files) - set(recorded))
-        if extra:
-            raise _changed(path, extra[0], f"not in {CHECKSUMS}: added after the save "
-                                           f"({len(extra)} such file(s))")
-        for rel in files:
-            want = recorded[rel]
-            try:
-                size, digest = (path / rel).stat().st_size, None
-                if size == want["bytes"]:
-                    digest = sha256_file(path / rel)
-            except OSError as e:  # unreadable (permissions) or gone meanwhile
-                raise _changed(path, rel, f"unreadable: {e.strerror or e}") from None
-            if size != want["bytes"]:
-                raise _changed(path, rel, f"changed: {size} bytes, {want['bytes']} when saved")
-            if digest != want["sha256"]:
-                raise _changed(path, rel, "changed: its sha256 differs from the one recorded "
-                                          "when saved")
-    except OlmoflowError as e:
-        return str(e)
-    return None
-
-
-def verify_checkpoint(path: Path, *, collective: bool = False) -> None:
-    """Check every file of checkpoint directory ``path`` against the sha256 its
-    :data:`CHECKSUMS` recorded at save time, before anything of it is unpickled (``dcp`` reads
-    ``.metadata`` with ``pickle``). A checkpoint saved before checksums were recorded loads, with
-    one warning. ``collective``: under torchrun rank 0 checks and every rank raises its verdict.
-
-    Raises:
-        OlmoflowError: a file changed, is missing, was added or is a symbolic link; naming it.
-    """
-    path = Path(path)
-    if collective:
-        error = distributed.broadcast_object(_verify_files(path) if distributed.is_main()
-                                             else None)
-    else:
-        error = _verify_files(path)
-    if error is not None:
-        raise OlmoflowError(error)
 
 
 def _pickled_object(e: BaseException) -> str | None:
