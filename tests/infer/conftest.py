@@ -14,6 +14,18 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def model():
+    """A random 2-layer Olmo with sliding-window layers (window 8), in eval mode."""
+    from olmoflow.model.config import ModelConfig
+    from olmoflow.model.olmo import Olmo
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                      max_sequence_length=128, sliding_window=8)
+    return Olmo(cfg).eval()
+
+
 @pytest.fixture(scope="session")
 def bpe():
     from olmoflow.tokenizer import BPETokenizer

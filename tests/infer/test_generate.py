@@ -5,16 +5,6 @@ import torch
 from tolerance import assert_greedy_agrees, forward_terms, fp32_rel
 
 from olmoflow.infer.generate import apply_repetition_penalty, generate, iter_tokens
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import Olmo
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
-                      max_sequence_length=128, sliding_window=8)
-    return Olmo(cfg).eval()
 
 
 def greedy_logits(model, seq, penalty: float = 1.0) -> tuple[torch.Tensor, float]:

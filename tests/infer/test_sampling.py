@@ -14,16 +14,6 @@ from olmoflow.infer.config import GenerateConfig
 from olmoflow.infer.generate import generate, iter_tokens
 from olmoflow.infer.sampling import SamplingError, SamplingParams
 from olmoflow.infer.streaming import stream_generate
-from olmoflow.model.config import ModelConfig
-from olmoflow.model.olmo import Olmo
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
-                      max_sequence_length=128, sliding_window=8)
-    return Olmo(cfg).eval()
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
