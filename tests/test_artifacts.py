@@ -77,3 +77,36 @@ def test_a_stage_is_incomplete_once_an_input_or_output_changes(tmp_path):
     assert is_complete(run / "stage", "fp")
     out.unlink()
     assert not is_complete(run / "stage", "fp")
+
+
+def test_hash_once_reads_a_file_once_per_identity(tmp_path):
+    """Inside hash_once a file is hashed once while its path, inode, size and mtime stay the same
+    (a rerun checks a checkpoint as pretrain's output and again as each later stage's input); a
+    file replaced by rename, as the project writes, is hashed again."""
+    import hashlib
+
+    from olmoflow.artifacts import hash_once, sha256_file
+
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"first")
+    first = hashlib.sha256(b"first").hexdigest()
+
+    def edit_in_place_keeping_identity():
+        st = f.stat()
+        with open(f, "r+b") as h:
+            h.write(b"FIRST")
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with hash_once():
+        assert sha256_file(f) == first
+        edit_in_place_keeping_identity()
+        assert sha256_file(f) == first  # remembered, not read again
+        with hash_once():  # nested: the same memory
+            assert sha256_file(f) == first
+        tmp = tmp_path / "weights.tmp"
+        tmp.write_bytes(b"third")
+        os.replace(tmp, f)  # a new inode
+        assert sha256_file(f) == hashlib.sha256(b"third").hexdigest()
+    f.write_bytes(b"first")
+    edit_in_place_keeping_identity()
+    assert sha256_file(f) == hashlib.sha256(b"FIRST").hexdigest()  # outside: always read

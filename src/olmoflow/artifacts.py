@@ -118,13 +118,48 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+# While a run is under way (:func:`hash_once`): file identity -> its sha256.
+_HASHES: dict[tuple[Any, ...], str] | None = None
+
+
+@contextlib.contextmanager
+def hash_once():
+    """Within the block, :func:`sha256_file` reads a file once while its identity (real path,
+    device, inode, size, modification time) is unchanged.
+
+    A rerun of the flow checks each stage's outputs and then, as inputs, the same files again in
+    every stage that reads them (a checkpoint: pretrain, evaluate, generate, release, and the
+    load's own verification); for a large model that is most of a rerun's time. The project
+    replaces files by renaming new ones in (a new inode), so its own writes are never mistaken
+    for the old content. Nested blocks share the outer one's memory.
+    """
+    global _HASHES
+    outer = _HASHES
+    if outer is None:
+        _HASHES = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _HASHES = None
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a file's bytes (read once per identity inside :func:`hash_once`)."""
+    key = None
+    if _HASHES is not None:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in _HASHES:
+            return _HASHES[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if key is not None and _HASHES is not None:
+        _HASHES[key] = digest
+    return digest
 
 
 def sha256_json(obj: Any) -> str:

@@ -42,6 +42,7 @@ import yaml
 
 from olmoflow.artifacts import (
     directory_lock,
+    hash_once,
     is_complete,
     now,
     read_manifest,
@@ -208,7 +209,8 @@ class Engine:
             raise OlmoflowError(f"output '{self.root}' is a file, not a directory")
         claim_directory(self.root, marker=DATA_MARKER, legacy=legacy_output_problem,
                         what="data output")
-        with directory_lock(self.root, what="data output"):
+        # Each step's inputs are the outputs the step before it was checked against.
+        with directory_lock(self.root, what="data output"), hash_once():
             return self._run_held(wanted, on_step)
 
     def check_sources(self) -> None:

@@ -40,6 +40,7 @@ from olmoflow.artifacts import (
     StageResult,
     atomic_write_text,
     directory_lock,
+    hash_once,
     is_complete,
     now,
     read_manifest,
@@ -369,6 +370,7 @@ def run_pipeline(cfg: RunConfig, *, stages: list[str] | None = None, progress: b
     with contextlib.ExitStack() as held:
         # Held for the whole run, so no other process works in it between two stages.
         marked = _hold(run_dir, info, held, lambda: _check_inputs(cfg, table))
+        held.enter_context(hash_once())  # a stage's inputs are the outputs checked before it
         try:
             for name in names:
                 status, secs, counts = run_stage(cfg, name, progress=progress, force=force,
