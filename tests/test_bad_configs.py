@@ -4,8 +4,8 @@ never a traceback later, never a run that is silently wrong."""
 from __future__ import annotations
 
 import pytest
+from test_cli import assert_one_line_error, cli
 
-from olmoflow.cli import main
 from olmoflow.data.config import load_data_config
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import load_config
@@ -43,13 +43,8 @@ def test_good_values_still_load(override):
 
 
 def _one_line_exit_2(capsys, argv, *needles):
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in lines[0], lines[0]
+    rc, _, err = cli(capsys, *argv)
+    assert_one_line_error(rc, err, *needles)
 
 
 @pytest.mark.parametrize("override,key", [BAD_OVERRIDES[0], BAD_OVERRIDES[9],
