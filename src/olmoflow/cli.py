@@ -16,6 +16,8 @@ Tool verbs take no run config:
     olmoflow data run CONFIG                       the data engine (see olmoflow.data.commands)
     olmoflow eval list | info TASK | run --model DIR --tasks SPECS
                                                    evaluation tasks (see olmoflow.eval.cli)
+    olmoflow chat DIR [--system TEXT] [--seed N]   talk with a model in its chat template
+    olmoflow merge-lora CHECKPOINT OUT             fold a LoRA run's adapters into an HF model
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -108,14 +110,25 @@ def _tool_parsers(sub) -> None:
                       help="memory of one GPU in GB = 1e9 bytes (default: 80)")
     plan.set_defaults(tool=_plan)
 
+    merge = sub.add_parser("merge-lora", help="fold a LoRA run's adapters into its base: a "
+                           "Hugging Face directory of the merged model")
+    merge.add_argument("checkpoint", help="a LoRA run's checkpoint directory (lora.json beside "
+                       "it), or its folder with a 'latest' pointer")
+    merge.add_argument("out", help="the Hugging Face directory to write")
+    merge.add_argument("--tokenizer", help="directory with tokenizer.json (default: the run's)")
+    merge.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    merge.set_defaults(tool=_merge_lora)
+
     from olmoflow.data.commands import add_data_parser
     from olmoflow.eval.cli import add_eval_parser
+    from olmoflow.infer.chat import add_chat_parser
 
     add_data_parser(sub)
     add_eval_parser(sub)
+    add_chat_parser(sub)
 
 
-TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval")
+TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "merge-lora")
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -154,6 +167,17 @@ def _export_hf(args: argparse.Namespace) -> None:
                     force=args.force)
     print(f"exported '{args.checkpoint}' to '{out}' (load with "
           f"transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
+
+
+def _merge_lora(args: argparse.Namespace) -> None:
+    from olmoflow.release.export import export_hf, lora_settings_of, resolve_source
+
+    kind, src = resolve_source(args.checkpoint)
+    if kind != "step" or lora_settings_of(src) is None:
+        raise OlmoflowError(f"'{src}' is not a LoRA checkpoint (no lora.json beside it); "
+                            "'olmoflow export hf' exports a checkpoint of every weight")
+    out = export_hf(src, args.out, tokenizer=args.tokenizer, force=args.force)
+    print(f"merged the adapters of '{src}' into '{out}'")
 
 
 def _split_config_arg(args: argparse.Namespace) -> None:
@@ -254,7 +278,7 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         if given is not None and given != []:
             values[flag.key] = given
             force = force or flag.forces_rerun
-    cfg = load_config(args.config, args.overrides, values)
+    cfg = load_config(args.config, args.overrides, values, stage=args.verb)
     shown = STAGES.enabled(cfg) if verb_stage is None else [verb_stage]
     run_pipeline(cfg, stages=[s.name for s in shown] if verb_stage else None,
                  progress=not args.no_progress, force=force)

@@ -20,6 +20,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +161,28 @@ def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | N
             )
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
+            default = _section_default(cls, k, tp)
+            if default is not None and isinstance(v, dict):
+                # A section whose parent gives it other defaults than its class (sft.train's
+                # learning rate is not pretraining's): the keys given are merged over those.
+                v = merge(dataclasses.asdict(default), upgrade_tree(tp, v, f"{prefix}{k}."))
             kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", universe=universe)
         else:
             kwargs[k] = coerce(v, tp, f"{prefix}{k}")
     return cls(**kwargs)
+
+
+def _section_default(cls: type, name: str, tp: type) -> Any:
+    """The default of the nested section ``name`` of ``cls`` when it differs from ``tp()``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name and f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+            try:
+                plain = tp()
+            except TypeError:
+                return None
+            return None if default == plain else default
+    return None
 
 
 def upgrade_tree(cls: type, tree: Any, prefix: str = "") -> Any:
@@ -280,7 +299,8 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
 
 def load_tree(name_or_path: str | None, overrides: list[str] | None = None,
               values: dict[str, Any] | None = None, subdir: str = "",
-              schema: type | None = None) -> dict[str, Any]:
+              schema: type | None = None,
+              reroot: Callable[[str], str] | None = None) -> dict[str, Any]:
     """The raw config mapping: a YAML file or preset, then ``key=value`` overrides (values parsed
     as YAML), then ``values`` (dotted key -> Python value, what CLI flags set), in that order: a
     later value wins.
@@ -289,14 +309,28 @@ def load_tree(name_or_path: str | None, overrides: list[str] | None = None,
     key spellings (:func:`upgrade_tree`) before they are merged, so an old spelling and a new one
     of the same key never both survive: ``train.lr=1e-3 train.optimizer.lr=5e-3`` is 5e-3, and an
     old-style file still takes new-style overrides.
+
+    ``reroot`` maps a dotted key to where it belongs (a finetuning config's top-level ``train``
+    is ``sft.train``): applied to the file's top-level keys and to every override's key, before
+    anything is upgraded or merged.
     """
     def upgraded(tree: dict[str, Any]) -> dict[str, Any]:
         return upgrade_tree(schema, tree) if schema is not None else tree
 
     tree: dict[str, Any] = {}
     if name_or_path:
-        tree = upgraded(read_yaml_mapping(resolve_preset(name_or_path, subdir)))
+        raw = read_yaml_mapping(resolve_preset(name_or_path, subdir))
+        if reroot is not None:
+            moved: dict[str, Any] = {}
+            for key, value in raw.items():
+                part: dict[str, Any] = {}
+                set_dotted(part, reroot(key), value)
+                moved = merge(moved, part)
+            raw = moved
+        tree = upgraded(raw)
     pairs = [parse_override(ov) for ov in overrides or []] + list((values or {}).items())
+    if reroot is not None:
+        pairs = [(reroot(k), v) for k, v in pairs]
     for key, value in pairs:
         if schema is None:
             set_dotted(tree, key, value)

@@ -51,7 +51,7 @@ def test_the_flow_table_is_in_run_order_and_each_stage_has_a_directory(tmp_path)
             assert names.index(up) < names.index(stage.name)
         assert RunDir(tmp_path).stage(stage.name).parent == tmp_path
     assert len({RunDir(tmp_path).stage(n) for n in names}) == len(names)
-    assert [s.name for s in STAGES if s.trains is not None] == ["pretrain"]
+    assert [s.name for s in STAGES if s.trains is not None] == ["pretrain", "sft", "dpo", "rl"]
 
 
 def test_a_table_rejects_duplicates_and_upstreams_that_come_later():

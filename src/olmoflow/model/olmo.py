@@ -334,11 +334,44 @@ class Olmo(nn.Module):
 
         return generate(self, input_ids, **kwargs)
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      ) -> None:
+        """Recompute every block's activations in backward instead of storing them (the
+        ``transformers`` name for :attr:`activation_checkpointing`; OLMo's docs' last resort
+        for out-of-memory): less activation memory for about one more forward per step.
+
+        ``gradient_checkpointing_kwargs``: ``use_reentrant`` is accepted for compatibility (the
+        non-reentrant checkpoint is always used: it works with frozen inputs, as under LoRA);
+        ``every=n`` recomputes every n-th block only (default 1, all blocks).
+
+        Raises:
+            OlmoflowError: an unknown key, or ``every`` not a positive integer.
+        """
+        kwargs = dict(gradient_checkpointing_kwargs or {})
+        every = kwargs.pop("every", 1)
+        kwargs.pop("use_reentrant", None)
+        if kwargs:
+            raise OlmoflowError(f"unknown gradient_checkpointing_kwargs {sorted(kwargs)}; "
+                                "valid: use_reentrant, every")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise OlmoflowError(f"gradient_checkpointing_kwargs every={every!r} must be a "
+                                "positive integer")
+        self.activation_checkpointing = every
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Store activations again (:meth:`gradient_checkpointing_enable` undone)."""
+        self.activation_checkpointing = 0
+
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None, device_map: str | None = None,
-                        load_in_8bit: bool = False, quantization: str | None = None) -> Olmo:
-        """Load a Hugging Face-format OLMo 2/3 directory (``config.json`` + safetensors).
+                        load_in_8bit: bool = False, quantization: str | None = None,
+                        revision: str | None = None, cache_dir: str | Path | None = None,
+                        allow_network: bool | None = None) -> Olmo:
+        """Load a Hugging Face-format OLMo 2/3 directory (``config.json`` + safetensors), or a
+        Hub id (``"allenai/OLMo-2-0425-1B"``) found in the local Hugging Face cache (see
+        :func:`olmoflow.model.hub.resolve_pretrained` for ``revision``, ``cache_dir`` and
+        ``allow_network``).
 
         ``Olmo.from_pretrained(dir, load_in_8bit=True, device_map="auto")`` works as in OLMo's
         docs (bitsandbytes int8; ``quantization="torchao"`` for torchao int8 weight-only).
@@ -350,14 +383,18 @@ class Olmo(nn.Module):
         :func:`olmoflow.infer.quantize.quantize_model`). The model is returned in eval mode.
 
         Raises:
-            OlmoflowError: the directory or its files are missing or damaged (a truncated or
+            OlmoflowError: a Hub id not in the local cache (network not allowed) or not on the
+                Hub; the directory or its files are missing or damaged (a truncated or
                 garbled ``model.safetensors``, a ``config.json`` that is not a JSON object of the
                 expected keys and types), the config is not OLMo 2/3, the weights do not match the
                 config (names or shapes, checked against the safetensors header before the model
                 is built), or 8-bit loading was asked for without its library.
         """
         from olmoflow.model.hf import read_hf_dir
+        from olmoflow.model.hub import resolve_pretrained
 
+        path = resolve_pretrained(path, revision=revision, allow_network=allow_network,
+                                  cache_dir=cache_dir)
         cfg, state = read_hf_dir(path, device=device)
         with torch.device("meta"):
             model = cls(cfg)
@@ -401,6 +438,9 @@ class Olmo(nn.Module):
         """
         from olmoflow.model.hf import save_hf_dir
 
+        if getattr(self, "lora_settings", None) is not None:
+            raise OlmoflowError("the model has LoRA adapters: merge them first "
+                                "(olmoflow.model.lora.merge_lora, or 'olmoflow merge-lora')")
         save_hf_dir(self, path, **kwargs)
 
 

@@ -11,15 +11,25 @@ parser of :mod:`olmoflow.config`. The resolved config is saved with every run
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmoflow.config import all_keys, from_dict, load_tree, note_renamed, resolve_preset, to_yaml
+from olmoflow.config import (
+    all_keys,
+    from_dict,
+    load_tree,
+    note_renamed,
+    read_yaml_mapping,
+    resolve_preset,
+    to_yaml,
+)
 from olmoflow.data.config import CleanConfig, CollectConfig, TokenizeConfig
 from olmoflow.errors import OlmoflowError
 from olmoflow.eval.config import EvalConfig
 from olmoflow.infer.config import GenerateConfig
 from olmoflow.model.config import ModelConfig
+from olmoflow.posttrain.config import DPOConfig, RLConfig, SFTConfig
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.tokenizer.config import TokenizerConfig
 from olmoflow.train.config import TrainConfig
@@ -37,6 +47,9 @@ class RunConfig:
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
@@ -92,8 +105,39 @@ class RunConfig:
         return dataclasses.asdict(getattr(self, name))
 
 
+#: the post-training stages; ``olmoflow STAGE CONFIG`` reads a finetuning config (below) for them.
+POSTTRAIN_STAGES = ("sft", "dpo", "rl")
+
+
+def finetune_form(name_or_path: str | None, stage: str | None) -> Callable[[str], str] | None:
+    """For ``olmoflow sft CONFIG`` (likewise ``dpo``, ``rl``) where CONFIG is written the way OLMo's
+    docs write a finetuning config (top-level ``data: {paths: [...]}`` or ``data.processors``,
+    ``train``, ``optimizer``, ``load_path``, and no ``sft`` section): the key mapping that puts
+    those keys in the stage's section (``train`` -> ``sft.train``, ``optimizer`` ->
+    ``sft.train.optimizer``, ``data`` -> ``sft.data``, ``load_path`` -> ``sft.base``). None for
+    any other config or verb."""
+    if stage not in POSTTRAIN_STAGES or not name_or_path:
+        return None
+    try:
+        raw = read_yaml_mapping(resolve_preset(name_or_path))
+    except OlmoflowError:
+        return None  # load_tree reports it
+    data = raw.get("data")
+    if stage in raw or not (isinstance(data, dict) and ("paths" in data or "processors" in data)):
+        return None
+    places = {"train": f"{stage}.train", "optimizer": f"{stage}.train.optimizer",
+              "data": f"{stage}.data", "load_path": f"{stage}.base",
+              "scheduler": f"{stage}.train.schedule"}
+
+    def reroot(key: str) -> str:
+        head, _, rest = key.partition(".")
+        return places[head] + (f".{rest}" if rest else "") if head in places else key
+
+    return reroot
+
+
 def load_config(name_or_path: str | None = "demo", overrides: list[str] | None = None,
-                values: dict[str, Any] | None = None) -> RunConfig:
+                values: dict[str, Any] | None = None, stage: str | None = None) -> RunConfig:
     """Load a YAML preset or file, apply dotted overrides, and return a validated RunConfig.
 
     ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
@@ -101,13 +145,16 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
     ``resume_from`` (``olmoflow pretrain CONFIG resume_from=latest``, the form OLMo's docs use) is
     ``train.checkpoint.resume_from``: ``latest``, a checkpoint directory, or ``stepN``; older
     spellings of keys are accepted with a note (see :meth:`RunConfig.upgrade_keys` and
-    :meth:`~olmoflow.train.config.TrainConfig.upgrade_keys`).
+    :meth:`~olmoflow.train.config.TrainConfig.upgrade_keys`). ``stage``: the verb's stage; for a
+    post-training verb a finetuning config in OLMo's form is read into its section (see
+    :func:`finetune_form`).
 
     Raises:
         OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
             value of the wrong type.
     """
-    tree = load_tree(name_or_path, overrides, values, schema=RunConfig)
+    tree = load_tree(name_or_path, overrides, values, schema=RunConfig,
+                     reroot=finetune_form(name_or_path, stage))
     if name_or_path and "run_dir" not in tree:
         # A config that names no run directory gets its own, never another preset's.
         tree["run_dir"] = f"runs/{resolve_preset(name_or_path).stem}"

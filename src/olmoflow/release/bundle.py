@@ -81,7 +81,8 @@ def checkpoints_csv(runs: RunDir, training_stage: str) -> str:
 def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunDir,
                   training_stage: str, checkpoint: Path, tokenizer_dir: Path, eval_report: Path,
                   data_manifest: dict[str, Any], data_summary: dict[str, Any],
-                  config_yaml: str, eval_dir: Path | None = None) -> StageResult:
+                  config_yaml: str, eval_dir: Path | None = None,
+                  posttraining: list[dict[str, Any]] | None = None) -> StageResult:
     """Write the release bundle of ``model`` into ``out``.
 
     Args:
@@ -100,6 +101,9 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
         eval_dir: the evaluate stage's directory: its :data:`EVAL_FILES` that exist are copied
             into ``eval/`` and the final checkpoint's task scores go into the model card
             (default: the folder of ``eval_report``).
+        posttraining: the post-training stages the model went through, in order: dicts with
+            ``stage``, ``base``, ``steps``, ``final_loss``, ``data`` and ``log_path`` (their
+            training log, copied as ``posttrain/<stage>/training_log.jsonl``).
     Returns:
         The stage result: the files read, the files written, ``files`` and ``checkpoint`` counts.
     Raises:
@@ -134,11 +138,24 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
            "checkpoint": checkpoint.name}
     atomic_write_text(out / "environment.txt", "".join(f"{k}: {v}\n" for k, v in env.items()))
     atomic_write_text(out / "config.yaml", config_yaml)
+    post = []
+    post_logs: list[Path] = []
+    for p in posttraining or []:
+        entry = {k: v for k, v in p.items() if k != "log_path"}
+        src = Path(p["log_path"])
+        if src.is_file():
+            dst = out / "posttrain" / p["stage"] / "training_log.jsonl"
+            atomic_write_bytes(dst, src.read_bytes())
+            entry["log"] = dst.relative_to(out).as_posix()
+            post_logs += [src]
+            files.append(dst)
+        post.append(entry)
     atomic_write_text(out / "README.md", model_card(
         cfg, model, report=report, data=data_summary, release_dir=out, scores=scores,
-        heatmap="eval/heatmap.png" if (out / "eval" / "heatmap.png").is_file() else None))
+        heatmap="eval/heatmap.png" if (out / "eval" / "heatmap.png").is_file() else None,
+        posttraining=post))
     files += [out / n for n in ("training_log.jsonl", "eval/report.json", "data_manifest.json",
                                 "checkpoints.csv", "environment.txt", "config.yaml", "README.md")]
     files += [out / "eval" / src.name for src in copied]
-    return StageResult(inputs=[log, eval_report, *copied], outputs=files,
+    return StageResult(inputs=[log, eval_report, *copied, *post_logs], outputs=files,
                        counts={"files": len(files), "checkpoint": checkpoint.name})

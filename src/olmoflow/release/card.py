@@ -32,7 +32,8 @@ def scores_section(scores: list[dict[str, Any]], heatmap: str | None) -> str:
 
 def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[str, Any],
                release_dir: Path, scores: list[dict[str, Any]] | None = None,
-               heatmap: str | None = None) -> str:
+               heatmap: str | None = None,
+               posttraining: list[dict[str, Any]] | None = None) -> str:
     """The model card's Markdown: front matter (license, tags), the model's shape, its training
     data, its held-out evaluation, its downstream scores (with the heatmap) and how to load it.
 
@@ -45,6 +46,9 @@ def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[
         scores: the final checkpoint's rows of ``eval/results.jsonl`` (``task``,
             ``primary_metric``, ``value``, ``stderr``, ``n``, ``chance``); none: no section.
         heatmap: the heatmap's path relative to the card, embedded under the scores.
+        posttraining: one entry per post-training stage the model went through, in order
+            (``stage``, ``base``, ``steps``, ``final_loss``, ``data``, ``log``); none: a base
+            model.
     """
     mc = model.config
     arch = "OLMo 3" if mc.sliding_window else "OLMo 2"
@@ -90,7 +94,7 @@ and {data.get('heldout_tokens', '?')} held-out tokens.
 | perplexity | {report.get('perplexity', nan):.2f} |
 | bits per byte | {report.get('bpb', nan):.4f} |
 
-{scores_section(scores or [], heatmap)}## Use
+{scores_section(scores or [], heatmap)}{posttraining_section(posttraining or [], release_dir)}## Use
 
 ```python
 from olmoflow import Olmo, Tokenizer
@@ -101,4 +105,27 @@ print(tokenizer.decode(model.generate(inputs.input_ids, max_length=50)[0]))
 ```
 
 The directory also loads in `transformers` (`AutoModelForCausalLM`, `AutoTokenizer`).
+"""
+
+
+def posttraining_section(stages: list[dict[str, Any]], release_dir: Path) -> str:
+    """The card's post-training section: each stage's base, data, steps and final loss, and how to
+    chat with the model (its chat template is in ``tokenizer_config.json``)."""
+    if not stages:
+        return ""
+    rows = "".join(f"| {s['stage']} | {s.get('base', '?')} | {s.get('data', '?')} | "
+                   f"{s.get('steps', '?')} | {_fmt(s.get('final_loss'))} | {s.get('log', '')} |\n"
+                   for s in stages)
+    return f"""## Post-training
+
+The pretrained model was then post-trained, stage by stage; each stage's training log is in the
+file named.
+
+| stage | started from | data | steps | final loss | log |
+|---|---|---|---|---|---|
+{rows}
+The tokenizer carries the chat template (`chat_template.jinja`): chat with
+`olmoflow chat {release_dir}`, or in `transformers` with `tokenizer.apply_chat_template(messages,
+add_generation_prompt=True)`.
+
 """

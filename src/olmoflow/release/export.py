@@ -105,8 +105,10 @@ def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) ->
         cands = [Path(tokenizer)]
     elif kind == "step":
         runs = RunDir(src.resolve().parent.parent)
-        cands = [*_trained_on_tokenizers(src), runs.stage("train-tokenizer"),
-                 runs.stage("release")]
+        # a post-training stage keeps its own tokenizer (chat template, added tokens) beside
+        # its checkpoints
+        cands = [src.parent / "tokenizer", *_trained_on_tokenizers(src),
+                 runs.stage("train-tokenizer"), runs.stage("release")]
     else:
         cands = [src]
     for c in cands:
@@ -119,7 +121,9 @@ def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) ->
 def load_step_model(step: Path, tokenizer_vocab: int):
     """The :class:`Olmo` of a step directory: the shape of the ``model`` section of its
     ``config.yaml`` (vocab padded from ``tokenizer_vocab`` when it says 0), weights from
-    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32).
+    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32). The checkpoint
+    of a LoRA run (``lora.json`` beside it) is loaded into the wrapped model and its adapters
+    merged, so the model returned is a plain :class:`Olmo`.
 
     Raises:
         OlmoflowError: the config has no valid model section, or the weights do not load.
@@ -138,12 +142,29 @@ def load_step_model(step: Path, tokenizer_vocab: int):
     with torch.device("meta"):
         model = Olmo(mc)
     model = model.to_empty(device="cpu")
+    lora = lora_settings_of(step)
+    if lora is not None:  # a LoRA run's checkpoint holds the wrapped model: wrap, load, merge
+        from olmoflow.model.lora import apply_lora
+
+        model = apply_lora(model, replace(lora, quantize=None))
     try:
         load_model(step, model)
     except Exception as e:  # dcp raises a variety of errors for damaged or mismatched checkpoints
         raise OlmoflowError(f"cannot load the weights of '{step}': "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if lora is not None:
+        from olmoflow.model.lora import merge_lora
+
+        model = merge_lora(model)
     return model.eval()
+
+
+def lora_settings_of(step: Path):
+    """The :class:`~olmoflow.model.lora.LoraSettings` a LoRA run recorded beside its checkpoint
+    (``lora.json``), or None for a checkpoint of every weight."""
+    from olmoflow.model.lora import find_lora_settings, read_lora_settings
+
+    return read_lora_settings(step) if find_lora_settings(step) is not None else None
 
 
 def _copy_tokenizer_files(tok_dir: Path, out: Path, skip: set[str]) -> list[Path]:

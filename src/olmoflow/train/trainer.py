@@ -249,7 +249,10 @@ class Trainer:
         normalizer = objective.normalizer(fields, d)
         probe = self.metrics if "input_ids" in fields else None
         if probe is not None:
-            probe.start_step(self.step + 1, fields["input_ids"], fields.get("doc_ids"))
+            ids = fields["input_ids"]
+            # a preference batch is [B, 2, T]: the probe sees its sequences as rows
+            probe.start_step(self.step + 1, ids.flatten(0, -2) if ids.dim() > 2 else ids,
+                             fields.get("doc_ids"))
         mbs = self.micro_batch_size
         chunks = {k: v.split(mbs) for k, v in fields.items()}
         n_micro = len(next(iter(chunks.values())))
@@ -331,7 +334,9 @@ class Trainer:
         # Installed after the writers open: a writer that fails to open leaves Ctrl-C as it was.
         stop = []
         previous = _install_sigint(lambda *_: (stop.append(True), _install_sigint(previous)))
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="pretrain", unit="step",
+        name = self.objective.name
+        bar = tqdm(total=cfg.max_steps, initial=self.step,
+                   desc="pretrain" if name == LMObjective.name else name, unit="step",
                    disable=not (self.progress and self.dist.is_main), dynamic_ncols=True)
         start, window_t, window_tokens = time.time(), time.time(), 0
         interrupted = False

@@ -143,16 +143,56 @@ def build_model(cfg: RunConfig, tokenizer_vocab: int):
     return Olmo(mc)
 
 
-def model_inputs(cfg: RunConfig, ckpt: Path) -> list[Path]:
-    """The files a model-consuming stage reads: the checkpoint's and the tokenizer's."""
-    return data_files(ckpt) + data_files(tokenizer_dir(cfg))
+def model_inputs(cfg: RunConfig, ckpt: Path, stage: str | None = None) -> list[Path]:
+    """The files a model-consuming stage reads: the checkpoint's and the tokenizer's (that of
+    training stage ``stage``; default the run's final one)."""
+    return data_files(ckpt) + data_files(final_tokenizer_dir(cfg, stage))
 
 
-def load_trained_model(cfg: RunConfig):
-    """The model at the final pretraining checkpoint (``pretrain/latest``)."""
+#: the stages that train a model, in flow order: a post-training stage's default base is the
+#: final checkpoint of the last enabled one before it.
+MODEL_STAGES = ("pretrain", "sft", "dpo", "rl")
+
+
+def stage_enabled(cfg: RunConfig, name: str) -> bool:
+    """Whether training stage ``name`` is part of the run (a post-training stage: its data is
+    named)."""
+    if name == "pretrain":
+        return True
+    if name == "rl":
+        return cfg.rl.prompts.source is not None
+    return getattr(cfg, name).data.given
+
+
+def final_model_stage(cfg: RunConfig) -> str:
+    """The training stage whose final checkpoint is the run's model (release, generate)."""
+    return [s for s in MODEL_STAGES if stage_enabled(cfg, s)][-1]
+
+
+def previous_model_stage(cfg: RunConfig, name: str) -> str:
+    """The last enabled training stage before ``name``."""
+    before = MODEL_STAGES[:MODEL_STAGES.index(name)]
+    return [s for s in before if stage_enabled(cfg, s)][-1]
+
+
+def final_tokenizer_dir(cfg: RunConfig, stage: str | None = None) -> Path:
+    """The tokenizer of the model of training stage ``stage`` (default: the run's final one,
+    :func:`final_model_stage`): a post-training stage's own (chat template, added tokens), else
+    the run's."""
+    stage = stage or final_model_stage(cfg)
+    return tokenizer_dir(cfg) if stage == "pretrain" else stage_dir(cfg, stage) / "tokenizer"
+
+
+def load_trained_model(cfg: RunConfig, stage: str | None = None):
+    """The model at the final checkpoint (``latest``) of training stage ``stage`` (default: the
+    run's last enabled one, :func:`final_model_stage`), with that stage's tokenizer;
+    ``(model, tokenizer, path)``."""
     from olmoflow.release.export import load_step_model
+    from olmoflow.tokenizer import tokenizer_class
     from olmoflow.train.checkpoint import resolve_checkpoint
 
-    tok = load_tokenizer(cfg)
-    path = resolve_checkpoint(stage_dir(cfg, "pretrain"), "latest")
+    stage = stage or final_model_stage(cfg)
+    tok = (load_tokenizer(cfg) if stage == "pretrain" else
+           tokenizer_class(cfg.tokenizer.implementation).load(final_tokenizer_dir(cfg, stage)))
+    path = resolve_checkpoint(stage_dir(cfg, stage), "latest")
     return load_step_model(path, tok.vocab_size), tok, path

@@ -129,7 +129,7 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.eval.report import write_reports
 
     planned = _tasks_and_checkpoints(cfg) if cfg.evaluate.tasks else None
-    model, tok, ckpt = load_trained_model(cfg)
+    model, tok, ckpt = load_trained_model(cfg, "pretrain")  # the checkpoints scored are its
     paths, _ = token_split(cfg, "heldout")
     tokens = _heldout_tokens(cfg)
     seq, stride = cfg.eval_sequence_length, cfg.evaluate.stride
@@ -148,7 +148,7 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     report = {"checkpoint": ckpt.name, "split": "heldout", **report}
     out = stage_dir(cfg, "evaluate")
     atomic_write_json(out / REPORT, report)
-    inputs = list(paths) + model_inputs(cfg, ckpt)
+    inputs = list(paths) + model_inputs(cfg, ckpt, "pretrain")
     counts: dict[str, Any] = dict(report)
     rows: list[dict] = []
     if planned is not None:
@@ -156,7 +156,7 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
         specs, ckpts = planned
         rows, scored = _score_tasks(cfg, tok, out, progress, specs, ckpts)
         for c in ckpts:
-            inputs += model_inputs(cfg, c.path)
+            inputs += model_inputs(cfg, c.path, "pretrain")
         counts.update(tasks=len({r["task"] for r in rows}), checkpoints=len(ckpts),
                       scored=scored, cached=len(rows) - scored)
     outputs = [out / REPORT] + write_reports(rows, out, heldout=report)

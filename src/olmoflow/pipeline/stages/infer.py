@@ -9,7 +9,12 @@ import torch
 from olmoflow.artifacts import StageResult, atomic_write_text
 from olmoflow.pipeline.config import RunConfig
 from olmoflow.pipeline.stage import Flag, Stage
-from olmoflow.pipeline.stages.common import load_trained_model, model_inputs, stage_dir
+from olmoflow.pipeline.stages.common import (
+    MODEL_STAGES,
+    load_trained_model,
+    model_inputs,
+    stage_dir,
+)
 
 SAMPLES = "samples.jsonl"
 
@@ -42,7 +47,7 @@ def show_samples(cfg: RunConfig) -> None:
 
 
 GENERATE = Stage(
-    "generate", run_generate, ("generate",), ("pretrain",), ("samples",),
+    "generate", run_generate, ("generate",), MODEL_STAGES, ("samples",),
     help="sample text from the trained model", show=show_samples,
     flags=(Flag("--prompt", "generate.prompts", "a prompt (repeatable)", repeat=True,
                 forces_rerun=True),

@@ -13,13 +13,15 @@ from olmoflow.artifacts import StageResult, read_manifest
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.stage import Stage
 from olmoflow.pipeline.stages.common import (
+    MODEL_STAGES,
     data_dirs,
+    final_tokenizer_dir,
     load_trained_model,
     model_inputs,
     need,
     stage_dir,
+    stage_enabled,
     token_dirs,
-    tokenizer_dir,
 )
 from olmoflow.pipeline.stages.eval import REPORT
 from olmoflow.run_dir import RunDir
@@ -91,6 +93,26 @@ def _raw_summary(lineage: dict) -> str:
     return text
 
 
+def posttraining_entries(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The enabled post-training stages, in order, as the release records them: where each
+    started, on what data, for how many steps, to which loss (from its manifest), and its log."""
+    runs = RunDir(cfg.run_dir)
+    out = []
+    for stage in MODEL_STAGES[1:]:
+        if not stage_enabled(cfg, stage):
+            continue
+        counts = (read_manifest(runs.stage(stage)) or {}).get("counts", {})
+        section = getattr(cfg, stage)
+        data = getattr(section, "data", None)
+        named = ([Path(p).name for p in data.paths] + ([data.generate] if data.generate else [])
+                 if data is not None else [section.prompts.source])
+        out.append({"stage": stage, "base": Path(counts.get("base", "?")).name,
+                    "data": ", ".join(named), "steps": counts.get("steps", "?"),
+                    "final_loss": counts.get("final_loss"),
+                    "log_path": str(runs.training_log(stage))})
+    return out
+
+
 def run_release(cfg: RunConfig, progress: bool) -> StageResult:
     """Bundle the final checkpoint of pretraining with everything that made it."""
     from olmoflow.release.bundle import build_release
@@ -99,12 +121,13 @@ def run_release(cfg: RunConfig, progress: bool) -> StageResult:
     manifest = data_manifest(cfg)
     result = build_release(
         cfg.release, model, tok, stage_dir(cfg, "release"), runs=RunDir(cfg.run_dir),
-        training_stage="pretrain", checkpoint=ckpt, tokenizer_dir=tokenizer_dir(cfg),
+        training_stage="pretrain", checkpoint=ckpt, tokenizer_dir=final_tokenizer_dir(cfg),
         eval_report=need(cfg, "evaluate", REPORT), data_manifest=manifest,
-        data_summary=data_summary(cfg, manifest), config_yaml=dump_config(cfg))
+        data_summary=data_summary(cfg, manifest), config_yaml=dump_config(cfg),
+        posttraining=posttraining_entries(cfg))
     result.inputs = model_inputs(cfg, ckpt) + result.inputs
     return result
 
 
-RELEASE = Stage("release", run_release, ("release",), ("pretrain", "evaluate"), ("files",),
+RELEASE = Stage("release", run_release, ("release",), (*MODEL_STAGES, "evaluate"), ("files",),
                 help="bundle the release: weights, logs, eval, data manifest, model card")

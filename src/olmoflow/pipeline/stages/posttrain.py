@@ -1,0 +1,349 @@
+"""The post-training stages: ``sft``, ``dpo`` and ``rl``, each the pretraining
+:class:`~olmoflow.train.trainer.Trainer` with another objective and loader.
+
+Each stage starts from its ``base`` (see :mod:`olmoflow.posttrain.config`): by default the final
+checkpoint of the run's previous training stage. It adds its chat template to the base's tokenizer
+(the embedding grows with the template's special tokens), trains, and writes OLMo-named
+checkpoints (``sft/sft-step100-tokens1M``) whose ``config.yaml`` holds the model it trained (so
+``export hf``, ``evaluate`` and the next stage load them as they load pretraining's), the
+tokenizer it trained with (``<stage>/tokenizer/``, chat template included) and a manifest naming
+the base checkpoint, every data file with its sha256, and the resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from olmoflow.artifacts import StageResult, data_files
+from olmoflow.errors import OlmoflowError
+from olmoflow.pipeline.config import RunConfig, dump_config
+from olmoflow.pipeline.stage import Stage, Trains
+from olmoflow.pipeline.stages.common import (
+    MODEL_STAGES,
+    previous_model_stage,
+    stage_dir,
+    stage_enabled,
+)
+
+log = logging.getLogger(__name__)
+
+TOKENIZER = "tokenizer"
+
+
+@dataclass
+class Base:
+    """A post-training stage's starting model.
+
+    Attributes:
+        model: the :class:`~olmoflow.model.olmo.Olmo`, fp32, on the CPU.
+        tokenizer: its tokenizer (as saved with it).
+        path: the checkpoint or Hugging Face directory it was read from.
+        kind: ``"step"`` (a training checkpoint) or ``"hf"``.
+        files: the files read (their sha256 go into the manifest).
+    """
+
+    model: Any
+    tokenizer: Any
+    path: Path
+    kind: str
+    files: list[Path]
+
+
+def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
+    """The model ``<stage>.base`` (or ``spec``) names; see :mod:`olmoflow.posttrain.config`.
+
+    Raises:
+        OlmoflowError: no such checkpoint, directory or cached Hub id; the previous stage has no
+            checkpoint yet (the message names it); weights that do not load.
+    """
+    from olmoflow.model.hub import resolve_pretrained
+    from olmoflow.model.olmo import Olmo
+    from olmoflow.release.export import find_tokenizer, load_step_model, resolve_source
+    from olmoflow.tokenizer import tokenizer_class
+    from olmoflow.train.checkpoint import resolve_checkpoint
+
+    spec = getattr(cfg, stage).base if spec is None else spec
+    if not spec:
+        prev = previous_model_stage(cfg, stage)
+        folder = stage_dir(cfg, prev)
+        try:
+            path = resolve_checkpoint(folder, "latest")
+        except OlmoflowError:
+            raise OlmoflowError(f"{stage}: no model to start from: '{folder}' has no checkpoint; "
+                                f"run 'olmoflow {prev}' first or set {stage}.base to a "
+                                "checkpoint, Hugging Face directory or Hub id") from None
+        kind = "step"
+    else:
+        kind, path = resolve_source(resolve_pretrained(spec))
+    tok_dir = find_tokenizer(kind, path)
+    tok = tokenizer_class(cfg.tokenizer.implementation).load(tok_dir)
+    model = (load_step_model(path, tok.vocab_size) if kind == "step"
+             else Olmo.from_pretrained(path, dtype=None))
+    model = model.float()
+    files = data_files(path) + [f for f in data_files(tok_dir) if f not in data_files(path)]
+    return Base(model, tok, path, kind, files)
+
+
+def say(stage: str, message: str) -> None:
+    """One line of what a stage found in its input (data counts, LoRA sizes), as the stage
+    lines of the runner print (rank 0 only under torchrun)."""
+    from olmoflow.train.distributed import is_main
+
+    if is_main():
+        print(f"[{stage}] {message}", flush=True)
+
+
+def prepare_chat(base: Base, template: str) -> int:
+    """Add ``template`` to the base's tokenizer and grow the model's embedding to fit; returns
+    the number of tokens added (0 when the base already had the template)."""
+    from olmoflow.posttrain.chat_template import add_chat_template
+
+    added = add_chat_template(base.tokenizer, template, base.model)
+    if added:
+        log.info("added %d special token(s) for the '%s' chat template", added, template)
+    return added
+
+
+def trained_config_yaml(cfg: RunConfig, model: Any) -> str:
+    """The run config with ``model`` replaced by the model actually trained (the base's shape and
+    grown vocabulary), as each checkpoint's ``config.yaml`` records it."""
+    from olmoflow.model.hf import unwrap_model
+
+    return dump_config(dataclasses.replace(cfg, model=unwrap_model(model).config))
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> list[Path]:
+    """Write the stage's tokenizer (with its chat template) to ``out/tokenizer``."""
+    return tokenizer.save(out / TOKENIZER)
+
+
+def base_stamp(stage: str):
+    """A fingerprint part for ``stage``: the identity of an explicit base (its files' sha256);
+    with no base the previous stage's manifest is an upstream of the fingerprint already."""
+    def stamp(cfg: RunConfig) -> Any:
+        from olmoflow.artifacts import sha256_file
+        from olmoflow.model.hub import resolve_pretrained
+
+        section = getattr(cfg, stage)
+        parts: dict[str, Any] = {}
+        spec = section.base
+        if spec:
+            root = resolve_pretrained(spec)
+            parts["base"] = [[str(f), sha256_file(f)] for f in data_files(root)]
+        data = getattr(section, "data", None)
+        if data is not None:
+            parts["data"] = [[p, sha256_file(p)] for p in data.paths if Path(p).is_file()]
+        if getattr(section, "reference", ""):
+            root = resolve_pretrained(section.reference)
+            parts["reference"] = [[str(f), sha256_file(f)] for f in data_files(root)]
+        if stage != "pretrain":
+            parts["previous"] = previous_model_stage(cfg, stage) if not spec else None
+        return parts
+
+    return stamp
+
+
+def train_posttrain(cfg: RunConfig, stage: str, base: Base, loader: Any, objective: Any,
+                    progress: bool, callbacks: list | None = None) -> tuple[dict, Path]:
+    """Train ``base.model`` with ``objective`` on ``loader`` under ``<stage>.train``; returns the
+    trainer's summary and the stage directory."""
+    from olmoflow.train.trainer import Trainer
+
+    section = getattr(cfg, stage)
+    out = stage_dir(cfg, stage)
+    model = base.model
+    import torch
+
+    if torch.cuda.is_available():  # before LoRA: a quantized base is made on its device
+        model = model.to("cuda")
+    lora = getattr(section, "lora", None)
+    if lora is not None and lora.enabled:
+        from olmoflow.model.lora import LoraSettings, apply_lora, lora_report, write_lora_settings
+
+        settings = LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                targets=tuple(lora.targets),
+                                quantize=None if lora.quantize == "none" else lora.quantize)
+        model = apply_lora(model, settings)
+        # beside the checkpoints: every reader of them (export, release, the next stage) wraps,
+        # loads and merges
+        write_lora_settings(out, settings)
+        say(stage, f"LoRA: {lora_report(model)['text']}")
+    trainer = Trainer(model, section.train, loader, out,
+                      config_yaml=trained_config_yaml(cfg, base.model), progress=progress,
+                      objective=objective, callbacks=callbacks or [])
+    return trainer.fit(), out
+
+
+def result_of(summary: dict, out: Path, base: Base, inputs: list[Path], tokenizer_files: list[Path],
+              counts: dict[str, Any]) -> StageResult:
+    """The stage's manifest entries: base and data files in, final checkpoint, log, tokenizer
+    out."""
+    from olmoflow.train.trainer import METRICS
+
+    final = Path(summary["checkpoint"])
+    outputs = data_files(final) + [out / METRICS, out / "latest"] + tokenizer_files
+    if (out / "lora.json").is_file():
+        outputs.append(out / "lora.json")
+    return StageResult(inputs=base.files + inputs, outputs=outputs,
+                       counts={"base": str(base.path), **summary, **counts})
+
+
+def run_sft(cfg: RunConfig, progress: bool) -> StageResult:
+    """Supervised fine-tuning of the base on ``sft.data``."""
+    from olmoflow.posttrain.sft import SFTLoader, SFTObjective, build_sft_data
+
+    s = cfg.sft
+    if not s.data.given:
+        raise OlmoflowError("sft: no data; set sft.data.paths (JSONL of messages, Alpaca, "
+                            "ShareGPT or text records), sft.data.processors or sft.data.generate")
+    base = load_base(cfg, "sft")
+    prepare_chat(base, s.template)
+    out = stage_dir(cfg, "sft")
+    paths = list(s.data.paths) + generated_data(cfg, "sft", out)
+    dataset, stats = build_sft_data(
+        paths, s.data.processors, s.template, base.tokenizer, s.train.sequence_length,
+        format=s.data.format, on_too_long=s.data.on_too_long, strict=s.data.strict,
+        packing=s.packing, limit=s.data.limit)
+    say("sft", f"data: {stats.summary()}; {dataset.summary()}")
+    loader = SFTLoader(dataset, s.train.global_batch_size, seed=cfg.seed)
+    tok_files = save_tokenizer(base.tokenizer, out)
+    summary, out = train_posttrain(cfg, "sft", base, loader, SFTObjective(), progress)
+    return result_of(summary, out, base, [Path(p) for p in paths], tok_files,
+                     {"examples": stats.kept, "skipped": len(stats.skipped),
+                      "truncated": stats.truncated, "dropped": len(stats.dropped),
+                      "rows": len(dataset),
+                      "packing_efficiency": round(dataset.packing_efficiency, 4)})
+
+
+def generated_data(cfg: RunConfig, stage: str, out: Path) -> list[str]:
+    """The files of ``<stage>.data.generate`` (built into the stage directory), or none."""
+    gen = getattr(cfg, stage).data.generate
+    if gen is None:
+        return []
+    from olmoflow.posttrain.demo_data import (
+        heldout_stdlib_files,
+        stdlib_subset,
+        write_demo_sft_data,
+    )
+
+    # The files pretraining held out: instructions about code the model has not trained on.
+    tokens = stage_dir(cfg, "tokenize")
+    files = (heldout_stdlib_files(tokens) if (tokens / "meta.json").is_file() else
+             stdlib_subset(seed=cfg.seed, fraction=cfg.tokenize.heldout_fraction))
+    path = out / "data" / f"{gen}.jsonl"
+    counts = write_demo_sft_data(path, files, seed=cfg.seed, limit=getattr(cfg, stage).data.limit,
+                                 max_chars=4 * getattr(cfg, stage).train.sequence_length)
+    say(stage, f"built {path.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    return [str(path)]
+
+
+TRAIN_BOOKKEEPING_KEYS = ("checkpoint.resume_from", "checkpoint.save_interval",
+                          "checkpoint.keep_every", "checkpoint.keep_last", "num_threads",
+                          "log.interval", "log.detailed_interval", "log.loggers")
+
+
+def _stage(name: str, run, help: str, headline: tuple[str, ...]) -> Stage:
+    return Stage(name, run, (name, "seed", "tokenizer.implementation"),
+                 tuple(s for s in MODEL_STAGES[:MODEL_STAGES.index(name)]), headline, help=help,
+                 ignore=tuple(f"{name}.train.{k}" for k in TRAIN_BOOKKEEPING_KEYS),
+                 stamp=base_stamp(name), enabled=lambda cfg: stage_enabled(cfg, name),
+                 trains=Trains(resume_key=f"{name}.train.checkpoint.resume_from"))
+
+
+SFT = _stage("sft", run_sft, "supervised fine-tuning on conversations (sft.data)",
+             ("examples", "steps", "final_loss"))
+
+
+
+
+
+def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
+    """Preference tuning of the base on ``dpo.data`` against a frozen reference whose
+    log-probabilities are computed once and cached in the stage directory."""
+    import torch
+
+    from olmoflow.artifacts import sha256_file, sha256_json
+    from olmoflow.posttrain.dpo import (
+        DPOObjective,
+        PreferenceLoader,
+        ReferenceCache,
+        build_dpo_data,
+    )
+
+    d = cfg.dpo
+    if not d.data.given:
+        raise OlmoflowError("dpo: no data; set dpo.data.paths (HH-RLHF chosen/rejected, "
+                            "prompt/chosen/rejected, ShareGPT or stack-exchange pairs)")
+    base = load_base(cfg, "dpo")
+    prepare_chat(base, d.template)
+    out = stage_dir(cfg, "dpo")
+    paths = list(d.data.paths)
+    dataset, stats = build_dpo_data(
+        paths, d.template, base.tokenizer, d.train.sequence_length, format=d.data.format,
+        on_too_long=d.data.on_too_long, strict=d.data.strict, limit=d.data.limit)
+    say("dpo", f"data: {stats.summary()}")
+    reference_files: list[Path] = []
+    if d.loss != "simpo":  # SimPO is reference-free
+        ref = base if not d.reference else load_base(cfg, "dpo", d.reference)
+        if ref is not base:
+            prepare_chat(ref, d.template)
+        reference_files = ref.files
+        # the reference is named by its files' content: a base retrained at the same path is
+        # another reference
+        identity = sha256_json([sha256_file(f) for f in ref.files])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        ReferenceCache(out, identity).get(dataset, ref.model,
+                                          batch_size=d.train.micro_batch_size, device=device)
+        if ref is not base:
+            del ref  # its weights are not needed again
+    loader = PreferenceLoader(dataset, d.train.global_batch_size, seed=cfg.seed)
+    objective = DPOObjective(loss_type=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
+                             simpo_gamma=d.simpo_gamma)
+    tok_files = save_tokenizer(base.tokenizer, out)
+    summary, out = train_posttrain(cfg, "dpo", base, loader, objective, progress)
+    return result_of(summary, out, base, [Path(p) for p in paths] + reference_files, tok_files,
+                     {"pairs": stats.kept, "skipped": len(stats.skipped),
+                      "truncated": stats.truncated, "dropped": len(stats.dropped)})
+
+
+def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
+    """GRPO with verifiable rewards from the base (RL-Zero when the base is a pretrained model
+    with no SFT)."""
+    from olmoflow.posttrain.grpo import GRPOObjective
+    from olmoflow.posttrain.rewards import heldout_callback, load_prompts
+    from olmoflow.posttrain.rollout import RolloutLoader
+
+    r = cfg.rl
+    base = load_base(cfg, "rl")
+    if r.prompts.chat:
+        prepare_chat(base, r.template)
+    out = stage_dir(cfg, "rl")
+    p = r.prompts
+    train_prompts, heldout = load_prompts(p.source, path=p.path, count=p.count,
+                                          heldout=p.heldout, seed=cfg.seed)
+    template = r.template if p.chat else None
+    loader = RolloutLoader(base.model, base.tokenizer, train_prompts,
+                           prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                           max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                           top_p=r.top_p, seed=cfg.seed, template=template,
+                           scale="std" if r.scale_rewards else "none")
+    objective = GRPOObjective(clip_low=r.clip_low, clip_high=r.clip_high, kl_coef=r.kl_coef,
+                              loss_type=r.loss_type)
+    callbacks = ([heldout_callback(heldout, base.tokenizer, r.eval_interval,
+                                   max_new_tokens=r.max_new_tokens, template=template)]
+                 if heldout and r.eval_interval else [])
+    tok_files = save_tokenizer(base.tokenizer, out)
+    summary, out = train_posttrain(cfg, "rl", base, loader, objective, progress, callbacks)
+    inputs = [Path(p.path)] if p.path else []
+    return result_of(summary, out, base, inputs, tok_files,
+                     {"prompts": len(train_prompts), "heldout_prompts": len(heldout)})
+
+
+DPO = _stage("dpo", run_dpo, "preference tuning (DPO, length-normalized DPO, SimPO) on dpo.data",
+             ("pairs", "steps", "final_loss"))
+RL = _stage("rl", run_rl, "RL with verifiable rewards (GRPO) on rl.prompts",
+            ("prompts", "steps", "final_loss"))
