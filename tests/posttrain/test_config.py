@@ -53,7 +53,8 @@ def test_load_path_names_the_base(tmp_path):
 
 
 def test_a_run_config_with_its_own_section_is_not_rerooted(tmp_path):
-    (tmp_path / "run.yaml").write_text("sft:\n  data:\n    paths: [a.jsonl]\ntrain:\n  max_steps: 3\n")
+    (tmp_path / "run.yaml").write_text(
+        "sft:\n  data:\n    paths: [a.jsonl]\ntrain:\n  max_steps: 3\n")
     cfg = load_config(str(tmp_path / "run.yaml"), stage="sft")
     assert cfg.train.max_steps == 3 and cfg.sft.train.max_steps == 100
 

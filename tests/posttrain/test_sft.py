@@ -157,10 +157,16 @@ def test_labels_stay_inside_examples(tok, packing):
         b = loader.next_batch()
         rows = loader.order(0)[seen : seen + 2].tolist()
         seen += 2
+        width = b.labels.shape[1]
+        if not packing:  # padded rows are cut after the batch's longest example, not before
+            longest = max(len(exs[ds.examples_of(r)[0]].input_ids) for r in rows)
+            assert width == longest - 1
         for k, r in enumerate(rows):
-            np.testing.assert_array_equal(b.labels[k].numpy(), expected_labels(exs, ds, r))
+            want = expected_labels(exs, ds, r)
+            np.testing.assert_array_equal(b.labels[k].numpy(), want[:width])
+            assert (want[width:] == IGNORE_INDEX).all()
             ids, _, docs = ds.row(r)
-            np.testing.assert_array_equal(b.input_ids[k].numpy(), ids[:-1])
+            np.testing.assert_array_equal(b.input_ids[k].numpy(), ids[:width])
             if packing:
                 np.testing.assert_array_equal(b.doc_ids[k].numpy(), docs[:-1])
         if not packing:

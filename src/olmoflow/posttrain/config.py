@@ -193,18 +193,25 @@ class RLPromptsConfig:
     when ``source`` is set).
 
     ``source``: ``arithmetic`` (generated two-number sums and differences, seeded; ``count``
-    of them, a disjoint ``heldout`` set for the held-out reward), ``gsm8k`` (``path`` to GSM8K
-    JSONL: ``question``, ``answer`` ending ``#### N``) or ``jsonl`` (``path``: ``prompt`` or
-    ``messages`` with ``answer``/``ground_truth``).
+    of them, a disjoint ``heldout`` set for the held-out reward; ``form``: ``question`` "What is
+    a + b?", ``bare`` "a+b=", ``doctest`` ">>> a + b"), ``gsm8k`` (``path`` to GSM8K JSONL:
+    ``question``, ``answer`` ending ``#### N``) or ``jsonl`` (``path``: ``prompt`` or ``messages``
+    with ``answer``/``ground_truth``); the file's last ``heldout`` prompts are held out.
+    ``chat``: prompts go through ``rl.template`` as a user turn (false: plain text, RL-Zero).
     """
 
     source: str | None = None
     path: str | None = None
     count: int = 2000
     heldout: int = 100
+    form: str = "question"
     chat: bool = False
 
     def __post_init__(self) -> None:
+        from olmoflow.posttrain.rewards import ARITHMETIC_FORMS
+
+        if self.form not in ARITHMETIC_FORMS:
+            raise unknown_name_error("rl.prompts.form", self.form, ARITHMETIC_FORMS)
         if self.source is not None and self.source not in RL_SOURCES:
             raise unknown_name_error("rl.prompts.source", self.source, RL_SOURCES)
         if self.source in ("gsm8k", "jsonl") and not self.path:
@@ -220,8 +227,10 @@ class RLConfig:
     open-instruct runs it for OLMo 3): ``group_size`` samples per prompt from the current policy,
     ``prompts_per_step`` prompts per optimizer step, advantage = reward minus the group mean
     (divided by the group's std unless ``scale_rewards`` is false), groups of equal rewards
-    dropped, a token-level objective clipped to ``[1 - clip_low, 1 + clip_high]``, no KL term
-    unless ``kl_coef`` > 0. Starting from a base model with no SFT, it is RL-Zero.
+    dropped, a token-level objective clipped to ``[1 - clip_low, 1 + clip_high]`` normalised as
+    ``loss_type`` says (``token``: over the global batch's response tokens, open-instruct's
+    default), no KL term unless ``kl_coef`` > 0; held-out greedy pass@1 every ``eval_interval``
+    steps. Starting from a base model with no SFT, it is RL-Zero.
     """
 
     base: str = ""
@@ -236,7 +245,7 @@ class RLConfig:
     clip_high: float = 0.272
     kl_coef: float = 0.0
     scale_rewards: bool = True
-    loss_type: str = "dapo"
+    loss_type: str = "token"
     eval_interval: int = 10
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=lambda: _train(1e-6, 100, 64, "rl", warmup=0))
@@ -250,6 +259,10 @@ class RLConfig:
                                 f"prompt), got {self.group_size}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
             raise OlmoflowError("rl.clip_low must be in [0, 1), rl.clip_high and rl.kl_coef >= 0")
+        from olmoflow.posttrain.losses import GRPO_NORMALIZATIONS
+
+        if self.loss_type not in GRPO_NORMALIZATIONS:
+            raise unknown_name_error("rl.loss_type", self.loss_type, GRPO_NORMALIZATIONS)
         if self.eval_interval < 0:
             raise OlmoflowError(f"rl.eval_interval must be >= 0 (0: off), got "
                                 f"{self.eval_interval}")

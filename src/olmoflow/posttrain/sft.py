@@ -281,6 +281,12 @@ class SFTLoader:
         labels = sft_labels(ids, mask, docs)
         doc_ids = (torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))
                    if self.dataset.packing == PACKED else None)
+        if doc_ids is None:
+            # One example per row, right-padded: the columns after the batch's longest example
+            # hold only padding (causal attention: they change no real position), so they go.
+            real = (docs != PAD_DOCUMENT).sum(1).max()
+            T = max(int(real) - 1, 1)
+            ids, labels = ids[:, :T + 1], labels[:, :T]
         return Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])),
                      torch.from_numpy(labels), doc_ids, self.state_dict())
 

@@ -151,13 +151,13 @@ def train_posttrain(cfg: RunConfig, stage: str, base: Base, loader: Any, objecti
                     progress: bool, callbacks: list | None = None) -> tuple[dict, Path]:
     """Train ``base.model`` with ``objective`` on ``loader`` under ``<stage>.train``; returns the
     trainer's summary and the stage directory."""
+    import torch
+
     from olmoflow.train.trainer import Trainer
 
     section = getattr(cfg, stage)
     out = stage_dir(cfg, stage)
     model = base.model
-    import torch
-
     if torch.cuda.is_available():  # before LoRA: a quantized base is made on its device
         model = model.to("cuda")
     lora = getattr(section, "lora", None)
@@ -186,8 +186,9 @@ def result_of(summary: dict, out: Path, base: Base, inputs: list[Path], tokenize
 
     final = Path(summary["checkpoint"])
     outputs = data_files(final) + [out / METRICS, out / "latest"] + tokenizer_files
-    if (out / "lora.json").is_file():
-        outputs.append(out / "lora.json")
+    # what the stage keeps beside its checkpoints: LoRA settings, the cached reference
+    outputs += [out / n for n in ("lora.json", "reference_logps.safetensors",
+                                  "reference_logps.json") if (out / n).is_file()]
     return StageResult(inputs=base.files + inputs, outputs=outputs,
                        counts={"base": str(base.path), **summary, **counts})
 
@@ -295,7 +296,7 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
         # the reference is named by its files' content: a base retrained at the same path is
         # another reference
         identity = sha256_json([sha256_file(f) for f in ref.files])
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         ReferenceCache(out, identity).get(dataset, ref.model,
                                           batch_size=d.train.micro_batch_size, device=device)
         if ref is not base:
@@ -310,35 +311,64 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
                       "truncated": stats.truncated, "dropped": len(stats.dropped)})
 
 
+def rl_prompts(cfg: RunConfig) -> tuple[list, list]:
+    """``(train, held-out)`` prompts of ``rl.prompts``: generated arithmetic (two disjoint
+    splits), or a GSM8K / RLVR file whose last ``heldout`` prompts are held out."""
+    from olmoflow.posttrain.data import DataStats
+    from olmoflow.posttrain.rewards import arithmetic_prompts, read_prompts
+
+    p = cfg.rl.prompts
+    if p.source == "arithmetic":
+        return (arithmetic_prompts(p.count, seed=cfg.seed, split="train", form=p.form),
+                arithmetic_prompts(p.heldout, seed=cfg.seed, split="heldout", form=p.form)
+                if p.heldout else [])
+    stats = DataStats()
+    prompts = read_prompts(p.path, strict=False, stats=stats)
+    if stats.skipped:
+        say("rl", f"prompts: {len(stats.skipped)} bad record(s) skipped, first: "
+                  f"{stats.skipped[0]}")
+    held = prompts[len(prompts) - p.heldout:] if p.heldout else []
+    train = prompts[:len(prompts) - len(held)][:p.count]
+    if not train:
+        raise OlmoflowError(f"rl.prompts.path={p.path}: no prompts left to train on "
+                            f"({len(prompts)} read, {len(held)} held out)")
+    return train, held
+
+
 def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
     """GRPO with verifiable rewards from the base (RL-Zero when the base is a pretrained model
-    with no SFT)."""
+    with no SFT and ``rl.prompts.chat`` is false: prompts are plain text)."""
+    from olmoflow.infer.sampling import SamplingParams
     from olmoflow.posttrain.grpo import GRPOObjective
-    from olmoflow.posttrain.rewards import heldout_callback, load_prompts
-    from olmoflow.posttrain.rollout import RolloutLoader
+    from olmoflow.posttrain.rollout import HeldOutReward, RolloutLoader
+    from olmoflow.train.precision import autocast_dtype
 
     r = cfg.rl
     base = load_base(cfg, "rl")
+    template = None
     if r.prompts.chat:
         prepare_chat(base, r.template)
+        template = r.template
     out = stage_dir(cfg, "rl")
-    p = r.prompts
-    train_prompts, heldout = load_prompts(p.source, path=p.path, count=p.count,
-                                          heldout=p.heldout, seed=cfg.seed)
-    template = r.template if p.chat else None
-    loader = RolloutLoader(base.model, base.tokenizer, train_prompts,
-                           prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                           max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                           top_p=r.top_p, seed=cfg.seed, template=template,
-                           scale="std" if r.scale_rewards else "none")
+    train_prompts, heldout = rl_prompts(cfg)
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loader = RolloutLoader(
+        base.model, base.tokenizer, train_prompts, prompts_per_step=r.prompts_per_step,
+        group_size=r.group_size, seed=cfg.seed, template=template,
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                top_p=r.top_p),
+        scale="std" if r.scale_rewards else "none",
+        autocast_dtype=autocast_dtype(r.train.precision, device))
     objective = GRPOObjective(clip_low=r.clip_low, clip_high=r.clip_high, kl_coef=r.kl_coef,
-                              loss_type=r.loss_type)
-    callbacks = ([heldout_callback(heldout, base.tokenizer, r.eval_interval,
-                                   max_new_tokens=r.max_new_tokens, template=template)]
+                              loss_type=r.loss_type, max_length=r.max_new_tokens)
+    callbacks = ([HeldOutReward(r.eval_interval, base.tokenizer, heldout,
+                                max_new_tokens=r.max_new_tokens, template=template)]
                  if heldout and r.eval_interval else [])
     tok_files = save_tokenizer(base.tokenizer, out)
     summary, out = train_posttrain(cfg, "rl", base, loader, objective, progress, callbacks)
-    inputs = [Path(p.path)] if p.path else []
+    inputs = [Path(r.prompts.path)] if r.prompts.path else []
     return result_of(summary, out, base, inputs, tok_files,
                      {"prompts": len(train_prompts), "heldout_prompts": len(heldout)})
 
