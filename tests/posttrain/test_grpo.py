@@ -90,7 +90,7 @@ def test_loader_advantages_and_equal_group_filtering(tok):
 
     model = tiny_model()
     loader = RolloutLoader(model, tok, PROMPTS, prompts_per_step=4, group_size=4,
-                           sampling=SAMPLE, seed=1, reward_fn=reward)
+                           sampling=SAMPLE, seed=1, reward_fn=reward, old_logps=True)
     batch = loader.next_batch()
     ro, f = batch.rollouts, batch.fields
     g = ro.rewards.view(4, 4)
@@ -125,7 +125,8 @@ def _batch(tok, kl: bool = False, seed: int = 0):
     ref = tiny_model(seed + 1) if kl else None
     loader = RolloutLoader(model, tok, PROMPTS, prompts_per_step=4, group_size=4,
                            sampling=SamplingParams(max_new_tokens=5, temperature=0.7),
-                           seed=seed, reward_fn=ascii_start, filter_equal=False, ref_model=ref)
+                           seed=seed, reward_fn=ascii_start, filter_equal=False, ref_model=ref,
+                           old_logps=True)
     batch = loader.next_batch()
     # Move the "sampling policy" away from the current one so the ratio clips somewhere.
     g = torch.Generator().manual_seed(seed)
@@ -133,6 +134,34 @@ def _batch(tok, kl: bool = False, seed: int = 0):
     batch.fields["old_logps"] = batch.fields["old_logps"] + torch.randn(
         m.shape, generator=g) * 0.3 * m
     return model, batch
+
+
+def test_without_old_logps_the_ratio_is_exactly_one(tok):
+    """One update per rollout batch: the training forward's own log-probabilities, detached, are
+    the sampling policy's; the loss is -mean(advantage) over response tokens, nothing clips, and
+    the gradient equals the one with old_logps from the separate forward (the same policy)."""
+    model, batch = _batch(tok)
+    batch.fields.pop("old_logps")
+    f = batch.fields
+    obj = GRPOObjective()
+    fields = obj.prepare(batch)  # the batch's sampling temperature (0.7) comes along
+    assert "old_logps" not in fields
+    norm = obj.normalizer(fields, DistInfo())
+    loss, metrics = obj.loss(model, fields, norm)
+    mask = f["response_mask"]
+    want = -(f["advantages"][:, None] * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    assert metrics["clip_frac"] == 0 and metrics["ratio/mean"] == pytest.approx(1.0)
+    loss.backward()
+    g1 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(f["input_ids"], attention_mask=f["attention_mask"]).logits / 0.7
+    logps, _ = token_logps(logits, shifted_labels(f["input_ids"], mask), mask)
+    ref = grpo_token_loss(logps, logps.detach(), f["advantages"], mask, clip_low=0.2,
+                          clip_high=0.272)
+    ref.loss.backward()
+    for a, p in zip(g1, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kl", [False, True])

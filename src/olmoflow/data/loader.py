@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,7 +273,45 @@ class Batch:
                      None if self.doc_ids is None else self.doc_ids[rows], self.state)
 
 
-class DataLoader:
+class ShuffledEpochs:
+    """The cursor every loader of global batches shares: ``batch_size`` items of
+    ``len(self.dataset)`` per batch, in a permutation drawn from ``(seed, epoch)`` only
+    (``np.random.PCG64([seed, epoch])``), the remainder of an epoch dropped (as OLMo-core); its
+    state is ``epoch`` and ``position`` (items of this epoch already yielded), so a loader resumes
+    by restoring those two and clearing ``_order``.
+
+    A subclass sets ``dataset``, ``batch_size``, ``seed``, ``epoch``, ``position`` and ``_order``
+    (None) and calls :meth:`next_indices` for each batch.
+    """
+
+    dataset: Any
+    batch_size: int
+    seed: int
+    epoch: int
+    position: int
+    _order: np.ndarray | None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of item indices for ``epoch``."""
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+        return rng.permutation(len(self.dataset))
+
+    def next_indices(self) -> list[int]:
+        """The items of the next batch; advances the cursor (and the epoch at its end)."""
+        if self.position + self.batch_size > self.batches_per_epoch * self.batch_size:
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self._order = self.order(self.epoch)
+        idx = self._order[self.position : self.position + self.batch_size].tolist()
+        self.position += self.batch_size
+        return idx
+
+
+class DataLoader(ShuffledEpochs):
     """Global batches of instances in a seeded order per epoch; resumable from any ``Batch.state``.
 
     An epoch ends when too few instances remain for a full batch (the remainder is dropped, as in
@@ -303,14 +342,6 @@ class DataLoader:
         self.position = 0  # instances of this epoch already yielded
         self._order: np.ndarray | None = None
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of instance indices for ``epoch``."""
-        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-        return rng.permutation(len(self.dataset))
 
     def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -346,12 +377,7 @@ class DataLoader:
 
     def next_batch(self) -> Batch:
         """The next global batch; advances the cursor (and the epoch at its end)."""
-        if self.position + self.batch_size > self.batches_per_epoch * self.batch_size:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            self._order = self.order(self.epoch)
-        idx = self._order[self.position : self.position + self.batch_size].tolist()
-        self.position += self.batch_size
+        idx = self.next_indices()
         tokens = np.stack([self.dataset[i] for i in idx])
         labels = tokens[:, 1:].copy()
         masking = self.intra_document_masking

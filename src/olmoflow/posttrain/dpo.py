@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from olmoflow.data.loader import ShuffledEpochs
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
@@ -190,7 +191,7 @@ class PreferenceBatch(dict):
     state: dict[str, Any]
 
 
-class PreferenceLoader:
+class PreferenceLoader(ShuffledEpochs):
     """Global batches of ``batch_size`` pairs in a seeded order per epoch; exactly resumable.
 
     The order of epoch ``e`` is ``np.random.Generator(np.random.PCG64([seed, e]))``'s
@@ -213,14 +214,6 @@ class PreferenceLoader:
         self.epoch, self.position = 0, 0
         self._order: np.ndarray | None = None
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of pair numbers for ``epoch``."""
-        return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(
-            len(self.dataset))
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: ``epoch``, ``position`` (pairs of this epoch yielded), ``seed``, ``pairs``
@@ -251,12 +244,7 @@ class PreferenceLoader:
 
     def next_batch(self) -> PreferenceBatch:
         """The next global batch (see :meth:`PreferenceDataset.collate`); advances the cursor."""
-        if self.position + self.batch_size > self.batches_per_epoch * self.batch_size:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            self._order = self.order(self.epoch)
-        idx = self._order[self.position:self.position + self.batch_size].tolist()
-        self.position += self.batch_size
+        idx = self.next_indices()
         batch = PreferenceBatch(self.dataset.collate(idx))
         batch.state = self.state_dict()
         return batch

@@ -27,7 +27,7 @@ from olmoflow.posttrain.rollout import RolloutBatch, response_logps
 from olmoflow.train import distributed
 from olmoflow.train.objectives import Batch, Objective
 
-REQUIRED = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logps")
+REQUIRED = ("input_ids", "attention_mask", "response_mask", "advantages")
 
 
 class GRPOObjective(Objective):
@@ -109,7 +109,7 @@ class GRPOObjective(Objective):
         if self.kl_coef and "ref_logps" not in fields:
             raise OlmoflowError("GRPO kl_coef > 0 needs ref_logps: build the RolloutLoader with "
                                 "ref_model=")
-        keep = (*REQUIRED, "ref_logps")
+        keep = (*REQUIRED, "old_logps", "ref_logps")
         return {k: v for k, v in fields.items() if k in keep}
 
     def num_tokens(self, batch: Batch) -> int:
@@ -138,7 +138,10 @@ class GRPOObjective(Objective):
             kw["normalizer"] = normalizer
         elif self.loss_type == "constant":
             kw["max_length"] = self.max_length
-        out = grpo_token_loss(logps, mb["old_logps"], mb["advantages"], mask,
+        # Without the sampler's log-probabilities the policy is the one that sampled (one update
+        # per rollout batch): the ratio is exactly 1 and only its gradient counts.
+        old = mb["old_logps"] if "old_logps" in mb else logps.detach()
+        out = grpo_token_loss(logps, old, mb["advantages"], mask,
                               clip_low=self.clip_low, clip_high=self.clip_high,
                               kl_coef=self.kl_coef, ref_logps=ref, **kw)
         loss = out.loss

@@ -250,8 +250,10 @@ class RolloutLoader:
     sampled tokens (no grad, eval mode, then back to the mode it was in).
 
     The batch fields (``N`` kept rows): ``input_ids``, ``attention_mask`` ``[N, T]``,
-    ``response_mask [N, T]`` (aligned with the labels), ``advantages [N]``, ``old_logps [N, T]``
-    (with one update per rollout batch the ratio is 1, as TRL with ``num_iterations=1``) and
+    ``response_mask [N, T]`` (aligned with the labels), ``advantages [N]``, with ``old_logps``
+    the sampling policy's ``old_logps [N, T]`` from a separate no-grad forward (without it the
+    objective takes the training forward's own, detached: with one update per rollout batch the
+    ratio is then exactly 1, as TRL's ``num_iterations=1``, and one forward is saved), and
     ``ref_logps [N, T]`` when a ``ref_model`` is given (needed for a KL term).
 
     Metrics (over every sample drawn for the step): ``rollout/reward``, ``rollout/pass@1``,
@@ -274,6 +276,7 @@ class RolloutLoader:
         max_draws: draws per step before giving up on finding a group with varied rewards.
         autocast_dtype: run the log-probability forwards under this autocast dtype (the
             Trainer's precision), so ``old_logps`` match the training forward.
+        old_logps: compute ``old_logps`` with a separate forward (see above).
     Raises:
         OlmoflowError: no prompts, ``prompts_per_step < 1``, ``group_size < 2``, a bad sampling
             dict.
@@ -286,7 +289,7 @@ class RolloutLoader:
                  filter_equal: bool = True, reward_fn: RewardFn | None = None,
                  ref_model: torch.nn.Module | None = None, max_draws: int = 4,
                  eos_token_id: int | None = None,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, old_logps: bool = False):
         if not prompts:
             raise OlmoflowError("RolloutLoader needs at least one prompt")
         if prompts_per_step < 1:
@@ -299,6 +302,7 @@ class RolloutLoader:
             except TypeError as e:
                 raise OlmoflowError(f"bad rollout sampling settings: {e}") from None
         self.model, self.tokenizer, self.prompts = model, tokenizer, list(prompts)
+        self.old_logps = old_logps
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.sampling, self.seed, self.template = sampling, seed, template
         self.scale, self.filter_equal, self.reward_fn = scale, filter_equal, reward_fn
@@ -387,8 +391,9 @@ class RolloutLoader:
         label_mask = ro.label_mask()
         fields = {"input_ids": ro.input_ids[idx], "attention_mask": ro.attention_mask[idx],
                   "response_mask": label_mask[idx], "advantages": advantages[idx.cpu()]}
-        fields["old_logps"] = self._logps(self.model, fields["input_ids"],
-                                          fields["attention_mask"], fields["response_mask"])
+        if self.old_logps:
+            fields["old_logps"] = self._logps(self.model, fields["input_ids"],
+                                              fields["attention_mask"], fields["response_mask"])
         if self.ref_model is not None:
             fields["ref_logps"] = self._logps(self.ref_model, fields["input_ids"],
                                               fields["attention_mask"], fields["response_mask"])

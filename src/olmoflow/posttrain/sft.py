@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from olmoflow.data.loader import PAD_DOCUMENT, Batch
+from olmoflow.data.loader import PAD_DOCUMENT, Batch, ShuffledEpochs
 from olmoflow.data.packing import best_fit_decreasing
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
@@ -192,7 +192,7 @@ def sft_labels(ids: np.ndarray, mask: np.ndarray, docs: np.ndarray) -> np.ndarra
     return labels
 
 
-class SFTLoader:
+class SFTLoader(ShuffledEpochs):
     """Global batches of SFT rows in a seeded order per epoch; resumable from any ``Batch.state``.
 
     The order of epoch ``e`` is a permutation drawn from ``(seed, e)`` alone (as
@@ -223,14 +223,6 @@ class SFTLoader:
         self.position = 0  # rows of this epoch already yielded
         self._order: np.ndarray | None = None
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of row indices for ``epoch``."""
-        return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(
-            len(self.dataset))
 
     def state_dict(self) -> dict[str, int | str]:
         d = self.dataset
@@ -270,12 +262,7 @@ class SFTLoader:
 
     def next_batch(self) -> Batch:
         """The next global batch; advances the cursor (and the epoch at its end)."""
-        if self.position + self.batch_size > self.batches_per_epoch * self.batch_size:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            self._order = self.order(self.epoch)
-        idx = self._order[self.position : self.position + self.batch_size].tolist()
-        self.position += self.batch_size
+        idx = self.next_indices()
         ids, mask, docs = (np.stack(a) for a in zip(*(self.dataset.row(i) for i in idx),
                                                      strict=True))
         labels = sft_labels(ids, mask, docs)

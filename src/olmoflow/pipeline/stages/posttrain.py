@@ -193,6 +193,13 @@ def result_of(summary: dict, out: Path, base: Base, inputs: list[Path], tokenize
                        counts={"base": str(base.path), **summary, **counts})
 
 
+def data_counts(stats: Any, kept: str) -> dict[str, int]:
+    """What the manifest counts of a stage's data (a :class:`~olmoflow.posttrain.data.DataStats`):
+    the examples kept (under the name ``kept``), skipped as bad input, truncated and dropped."""
+    return {kept: stats.kept, "skipped": len(stats.skipped), "truncated": stats.truncated,
+            "dropped": len(stats.dropped)}
+
+
 def run_sft(cfg: RunConfig, progress: bool) -> StageResult:
     """Supervised fine-tuning of the base on ``sft.data``."""
     from olmoflow.posttrain.sft import SFTLoader, SFTObjective, build_sft_data
@@ -214,9 +221,7 @@ def run_sft(cfg: RunConfig, progress: bool) -> StageResult:
     tok_files = save_tokenizer(base.tokenizer, out)
     summary, out = train_posttrain(cfg, "sft", base, loader, SFTObjective(), progress)
     return result_of(summary, out, base, [Path(p) for p in paths], tok_files,
-                     {"examples": stats.kept, "skipped": len(stats.skipped),
-                      "truncated": stats.truncated, "dropped": len(stats.dropped),
-                      "rows": len(dataset),
+                     {**data_counts(stats, "examples"), "rows": len(dataset),
                       "packing_efficiency": round(dataset.packing_efficiency, 4)})
 
 
@@ -307,8 +312,7 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
     tok_files = save_tokenizer(base.tokenizer, out)
     summary, out = train_posttrain(cfg, "dpo", base, loader, objective, progress)
     return result_of(summary, out, base, [Path(p) for p in paths] + reference_files, tok_files,
-                     {"pairs": stats.kept, "skipped": len(stats.skipped),
-                      "truncated": stats.truncated, "dropped": len(stats.dropped)})
+                     data_counts(stats, "pairs"))
 
 
 def rl_prompts(cfg: RunConfig) -> tuple[list, list]:
