@@ -195,10 +195,10 @@ def test_stage_report_names_window_stride_and_tokens(tmp_path, monkeypatch):
     (tmp_path / "heldout.npy").write_bytes(tokens.tobytes())
     tok = SimpleNamespace(token_byte_lengths=lambda: np.ones(64, dtype=int))
     monkeypatch.setattr(stage, "load_trained_model",
-                        lambda cfg: (_tiny_model(), tok, tmp_path / "stage1-step1"))
+                        lambda cfg, stage=None: (_tiny_model(), tok, tmp_path / "stage1-step1"))
     monkeypatch.setattr(stage, "token_split",
                         lambda cfg, split: ([tmp_path / "heldout.npy"], np.dtype(np.uint16)))
-    monkeypatch.setattr(stage, "model_inputs", lambda cfg, ckpt: [])
+    monkeypatch.setattr(stage, "model_inputs", lambda cfg, ckpt, stage=None: [])
     cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", "evaluate.stride=16"])
     stage.run_evaluate(cfg, progress=False)
     out = tmp_path / "run" / "eval"
