@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import assert_fp32_close, forward_terms
 
 from olmoflow.config import from_dict
 from olmoflow.errors import OlmoflowError
@@ -210,8 +211,11 @@ def test_gradient_accumulation_equals_one_batch(tok, loss_type):
 
     one, m1 = grads(16)
     acc, m4 = grads(4)
-    for a, b in zip(one, acc):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-8)
+    # another summation order of the same terms: bounded relative to each gradient's scale
+    terms = forward_terms(model.config, batch.fields["input_ids"].shape[1],
+                          tokens=int(batch.fields["response_mask"].sum()))
+    for a, b in zip(one, acc, strict=True):
+        assert_fp32_close(b, a, 4 * terms, ulps=16)
     for k in ("loss", "entropy", "clip_frac"):
         assert m4[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-8)
 
