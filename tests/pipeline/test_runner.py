@@ -169,7 +169,8 @@ def test_a_training_stage_keeps_checkpoints_made_under_another_config(tmp_path):
     cfg = cfg_for(tmp_path / "run")
     assert run_stage(cfg, "toy-train", progress=False, table=t)[0] == "ran"
     changed = cfg_for(tmp_path / "run", name="changed")
-    with pytest.raises(OlmoflowError, match="holds checkpoints .* resume_from=latest .* --force"):
+    with pytest.raises(OlmoflowError,
+                       match="holds checkpoints .* train.checkpoint.resume_from=latest .* --force"):
         run_stage(changed, "toy-train", progress=False, table=t)
     assert (tmp_path / "run" / "toy-train" / "step1" / "trainer_state.pt").is_file()
 

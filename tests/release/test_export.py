@@ -152,3 +152,17 @@ def test_export_bad_inputs(tiny_run, tmp_path, capsys):
                      "--tokenizer", str(tmp_path))
     one_line_error(rc, err, "no tokenizer.json")
     assert not (tmp_path / "o").exists()
+
+
+def test_export_never_writes_over_the_checkpoint_folder(tiny_run, tmp_path, capsys):
+    """``--force`` onto the folder that holds a run's checkpoints (or a folder above it) would
+    delete them: refused, and every checkpoint is still there."""
+    folder = tiny_run / "pretrain"
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    for out in (folder, tiny_run, folder / "export"):
+        rc, _, err = cli(capsys, "export", "hf", str(folder / STEP2), str(out), "--force")
+        one_line_error(rc, err, "checkpoint folder")
+    (tmp_path / "file").write_text("x")
+    rc, _, err = cli(capsys, "export", "hf", str(folder / STEP2), str(tmp_path / "file" / "o"))
+    one_line_error(rc, err, "is a file")
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before

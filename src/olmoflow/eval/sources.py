@@ -164,8 +164,15 @@ def _bad(where: str, why: str, strict: bool, skipped: list[str] | None) -> None:
 
 def _read_one(path: Path, fmt: str, strict: bool, skipped: list[str] | None):
     if fmt == "jsonl":
-        with _open_text(path) as f:
-            for n, line in enumerate(f, 1):
+        # Bytes, decoded line by line: one line that is not UTF-8 is one bad line, not a bad file.
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    _bad(f"{path}:{n}", f"not UTF-8 text ({e.reason} at byte {e.start} of the "
+                         "line)", strict, skipped)
+                    continue
                 if not line.strip():
                     continue
                 try:

@@ -249,19 +249,35 @@ def _nothing() -> Iterator[str]:
 
 
 def _trained_length(directory: Path) -> int | None:
-    """``train.sequence_length`` of the run ``config.yaml`` a directory carries (a release, a
-    step directory); None without one."""
+    """The longest sequence the run ``config.yaml`` a directory carries (a release, a step
+    directory) trained on: ``train.sequence_length``, or a post-training stage's
+    ``<stage>.train.sequence_length`` when that stage has data and is longer (an SFT checkpoint
+    of a model pretrained on short windows was trained on its longer conversations); None
+    without one."""
     from olmoflow.config import read_yaml_mapping
 
     cfg = directory / "config.yaml"
     if not cfg.is_file():
         return None
     try:
-        train = read_yaml_mapping(cfg).get("train")
+        data = read_yaml_mapping(cfg)
     except OlmoflowError:
         return None
-    v = train.get("sequence_length") if isinstance(train, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    def length(section: Any) -> int | None:
+        train = section.get("train") if isinstance(section, dict) else None
+        v = train.get("sequence_length") if isinstance(train, dict) else None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    found = [length(data)]
+    for stage in ("sft", "dpo"):  # RL's windows are its prompts and max_new_tokens
+        section = data.get(stage)
+        stage_data = section.get("data") if isinstance(section, dict) else None
+        if isinstance(stage_data, dict) and any(stage_data.get(k) for k in
+                                                ("paths", "processors", "generate")):
+            found.append(length(section))
+    found = [v for v in found if v is not None]
+    return max(found) if found else None
 
 
 def _model_source(path: str | Path) -> tuple[str, Path]:
@@ -380,6 +396,8 @@ def run_chat(args: argparse.Namespace, *, input_fn: Callable[[str], str] = input
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:  # 0 would answer every message with nothing
+            raise OlmoflowError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         sampling = replace(sampling, max_new_tokens=args.max_new_tokens)
     model, tok, src, window = load_chat_model(args.model, tokenizer=args.tokenizer,
                                               device=args.device)
@@ -419,6 +437,7 @@ def run_chat(args: argparse.Namespace, *, input_fn: Callable[[str], str] = input
             continue
         if not line.strip():
             continue
+        turns = len(session.history)
         pieces = session.reply(line)
         wrote = False
         try:
@@ -432,7 +451,7 @@ def run_chat(args: argparse.Namespace, *, input_fn: Callable[[str], str] = input
             wrote = True
         if wrote:
             say()
-        elif session.history and session.history[-1]["role"] == "assistant":
+        elif len(session.history) > turns:  # sent (a message that did not fit is not kept)
             say("[no reply: the model ended its turn at once]")
 
 

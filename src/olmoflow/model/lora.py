@@ -48,7 +48,7 @@ TARGETS = {
     "down": "w2",  # mlp.down_proj
 }
 # Also accepted in ``targets``: the Hugging Face names and our module names.
-_ALIASES = {
+TARGET_ALIASES = {
     **{f"{k}_proj": k for k in TARGETS}, **{v: k for k, v in TARGETS.items()},
 }
 QUANTIZE = (None, "8bit", "4bit")
@@ -85,11 +85,11 @@ class LoraSettings:
             object.__setattr__(self, "targets", (self.targets,))
         canon = []
         for t in self.targets:
-            name = t if t in TARGETS else _ALIASES.get(t)
+            name = t if t in TARGETS else TARGET_ALIASES.get(t)
             if name is None:
-                hint = closest(t, [*TARGETS, *_ALIASES])
+                hint = closest(t, [*TARGETS, *TARGET_ALIASES])
                 raise OlmoflowError(f"unknown LoRA target '{t}'"
-                                    + (f"; did you mean '{_ALIASES.get(hint, hint)}'?" if hint
+                                    + (f"; did you mean '{TARGET_ALIASES.get(hint, hint)}'?" if hint
                                        else f"; valid: {', '.join(TARGETS)}"))
             if name not in canon:
                 canon.append(name)

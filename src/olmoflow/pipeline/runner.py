@@ -50,7 +50,7 @@ from olmoflow.artifacts import (
 from olmoflow.config import set_dotted
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
-from olmoflow.pipeline.stage import Stage, StageTable
+from olmoflow.pipeline.stage import Stage, StageTable, Trains
 from olmoflow.pipeline.stages import STAGES
 from olmoflow.run_dir import (
     INPUT_KEYS,
@@ -178,8 +178,8 @@ def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distrib
     if kept is not None:
         raise OlmoflowError(
             f"'{out}' holds checkpoints (newest: {kept}) made under a different config or "
-            "different upstream data; add resume_from=latest to continue them under this config, "
-            "or --force to delete them and train from step 0")
+            f"different upstream data; add {resume_hint(trains)} to continue them under this "
+            "config, or --force to delete them and train from step 0")
     if complete:
         return "skipped", 0.0, (read_manifest(out) or {}).get("counts", {})
     if resuming:
@@ -223,6 +223,12 @@ def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distrib
     if message is not None:
         raise OlmoflowError(message)
     return ("resumed" if resuming else "ran"), secs, counts
+
+
+def resume_hint(trains: Trains) -> str:
+    """The override that resumes a training stage: its record's ``resume_alias`` when it has one,
+    else its ``resume_key``, set to ``latest``."""
+    return f"{trains.resume_alias or trains.resume_key}=latest"
 
 
 def _hold(root: Path, info: distributed.DistInfo, held: contextlib.ExitStack,

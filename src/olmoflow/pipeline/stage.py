@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 class Trains:
     """What a training stage adds: it resumes from its checkpoints, runs on every rank under
     torchrun, and its checkpoints are never deleted implicitly. ``resume_key`` is the dotted config
-    key of its ``resume_from`` (``train.checkpoint.resume_from``)."""
+    key of its ``resume_from`` (``train.checkpoint.resume_from``); ``resume_alias`` a shorter key
+    the config also reads as it (``resume_from``, OLMo's spelling), named in messages."""
 
     resume_key: str
+    resume_alias: str = ""
 
 
 @dataclass(frozen=True)

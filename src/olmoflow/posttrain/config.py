@@ -111,10 +111,25 @@ class LoraConfig:
             raise unknown_name_error("lora.quantize", self.quantize, LORA_QUANTIZE)
         if not 0 <= self.dropout < 1:
             raise OlmoflowError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        valid = ("q", "k", "v", "o", "gate", "up", "down")
+        if isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise OlmoflowError(f"lora.alpha must be > 0 (the scale is alpha / r), got "
+                                f"{self.alpha}")
+        from olmoflow.model.lora import TARGET_ALIASES, TARGETS
+
+        valid = tuple(TARGETS)
+        if isinstance(self.targets, str):  # "lora.targets=q": one name, not its characters
+            self.targets = [self.targets]
+        if not self.targets:
+            raise OlmoflowError(f"lora.targets must name at least one of {', '.join(valid)}")
+        canon: list[str] = []
         for t in self.targets:
-            if t not in valid:
+            # peft's names (q_proj) and our module names (w_q) as LoraSettings takes them
+            name = t if t in TARGETS else TARGET_ALIASES.get(t)
+            if name is None:
                 raise unknown_name_error("lora.targets", t, valid)
+            if name not in canon:
+                canon.append(name)
+        self.targets = canon
 
     @property
     def enabled(self) -> bool:
@@ -182,6 +197,9 @@ class DPOConfig:
         if self.loss not in DPO_LOSSES:
             raise unknown_name_error("dpo.loss", self.loss, DPO_LOSSES)
         _check_positive(self, "dpo", ("beta",))
+        if self.simpo_gamma < 0:
+            raise OlmoflowError(f"dpo.simpo_gamma must be >= 0 (SimPO's target reward margin), "
+                                f"got {self.simpo_gamma}")
         if not 0 <= self.label_smoothing < 0.5:
             raise OlmoflowError(f"dpo.label_smoothing must be in [0, 0.5), got "
                                 f"{self.label_smoothing}")

@@ -211,6 +211,11 @@ def _is_path(s: Any) -> bool:
 _DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".txt", ".csv", ".parquet")
 
 
+def _is_dir_path(s: Any) -> bool:
+    return (isinstance(s, Path) or (isinstance(s, str) and "\n" not in s and len(s) < 4096)) \
+        and Path(s).is_dir()
+
+
 def _looks_like_missing_file(s: Any) -> bool:
     # a one-line string naming a data file that is not there is a mistyped path, not a text
     # record: training on the path's own characters would be silently wrong
@@ -218,12 +223,31 @@ def _looks_like_missing_file(s: Any) -> bool:
             and s.strip().lower().endswith(_DATA_SUFFIXES) and not Path(s).exists())
 
 
+def check_data_files(paths: Sequence[str | Path], key: str = "data.paths") -> None:
+    """Check that each of ``paths`` (what a config names under ``key``) is a readable file.
+
+    A config's paths are always files: without this, a mistyped name with no data suffix, or a
+    directory, would be read as a one-line ``text`` record of the path's own characters.
+
+    Raises:
+        OlmoflowError: a path that does not exist or is a directory (the message names it and
+            ``key``).
+    """
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            raise OlmoflowError(f"{key}: '{path}' is a directory; name its data files "
+                                f"(e.g. {path}/train.jsonl)")
+        if not path.is_file():
+            raise OlmoflowError(f"{key}: no such data file: {path}")
+
+
 def _records(source: Any, strict: bool, stats: DataStats) -> Iterator[tuple[str, Any]]:
     """Paths (a list of them, or one) are read as files; anything else is records.
 
     Raises:
         OlmoflowError: a string names a data file (``.jsonl``, ``.json``, ``.gz``, ...) that
-            does not exist.
+            does not exist, or names a directory.
     """
     if isinstance(source, str | Path):
         source = [source]
@@ -232,6 +256,8 @@ def _records(source: Any, strict: bool, stats: DataStats) -> Iterator[tuple[str,
         for s in source:
             if _looks_like_missing_file(s):
                 raise OlmoflowError(f"no such data file: {s}")
+            if _is_dir_path(s):
+                raise OlmoflowError(f"'{s}' is a directory; name its data files")
         if source and all(_is_path(s) for s in source):
             return _paths_records(source, strict, stats)
     return _normalize(source)

@@ -252,6 +252,8 @@ def _iter_records(source: Any, strict: bool, stats: DataStats):
             yield r if isinstance(r, tuple) and len(r) == 2 else (f"record {i}", r)
         return
     for p in paths:
+        if p.is_dir():
+            raise OlmoflowError(f"{p}: is a directory, not a prompt file (JSONL)")
         if not p.is_file():
             raise OlmoflowError(f"{p}: no such prompt file")
         skipped: list[str] = []

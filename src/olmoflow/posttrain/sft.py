@@ -37,7 +37,7 @@ from olmoflow.data.packing import best_fit_decreasing
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
-from olmoflow.posttrain.data import DataStats, SFTExample, sft_examples
+from olmoflow.posttrain.data import DataStats, SFTExample, check_data_files, sft_examples
 from olmoflow.tokenizer.base import BaseTokenizer
 from olmoflow.train import distributed
 from olmoflow.train.objectives import LMObjective
@@ -445,12 +445,14 @@ def build_sft_data(
     Returns:
         ``(dataset, stats)``; ``stats.summary()`` and ``dataset.summary()`` are one line each.
     Raises:
-        OlmoflowError: no data at all; what ``sft_examples`` and ``processor_records`` raise.
+        OlmoflowError: no data at all; a path that is missing or a directory; what
+            ``sft_examples`` and ``processor_records`` raise.
     """
     if limit is not None and limit < 1:
         raise OlmoflowError(f"limit must be >= 1 or None, got {limit}")
     if isinstance(paths, str | Path):
         paths = [paths]
+    check_data_files(paths)
     stats = DataStats()
     kw = dict(on_too_long=on_too_long, strict=strict, stats=stats)
     examples: list[SFTExample] = []

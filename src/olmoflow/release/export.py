@@ -225,6 +225,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
         raise OlmoflowError(f"output '{out}' exists and is not empty; pass --force to replace it")
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise OlmoflowError(f"output '{out}' must not be inside the checkpoint '{src}'")
+    ro, rs = out.resolve(), src.resolve()
+    # A step directory's folder holds the run's other checkpoints, its log and its manifest:
+    # --force on it (or on a folder above it) would delete them all.
+    if ro in rs.parents or (kind == "step" and rs.parent in (ro, *ro.parents)):
+        raise OlmoflowError(f"output '{out}' holds or lies inside the checkpoint folder "
+                            f"'{src.parent}'; write the export outside it")
+    blocked = next((p for p in ro.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise OlmoflowError(f"output '{out}': '{blocked}' is a file, not a directory")
     tok_dir = find_tokenizer(kind, src, tokenizer)
     tok = Tokenizer.from_pretrained(tok_dir)
     if kind == "step":

@@ -74,13 +74,15 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, loader: DataLoader,
                  save_folder: Path, config_yaml: str = "", progress: bool = True,
-                 objective: Objective | None = None, callbacks: list[Callback] | tuple = ()):
+                 objective: Objective | None = None, callbacks: list[Callback] | tuple = (),
+                 resume_hint: str = "resume_from=latest"):
         # cfg is a TrainConfig, which already checked its values.
         self.model, self.cfg, self.loader = model, cfg, loader
         self.objective = objective if objective is not None else LMObjective()
         self.callbacks = list(callbacks)
         self.save_folder = Path(save_folder)
         self.config_yaml, self.progress = config_yaml, progress
+        self.resume_hint = resume_hint  # the override named after Ctrl-C
         # Under torchrun: join the process group and wrap for DDP/FSDP2 (train.parallel)
         # before the optimizer sees the parameters, which fully_shard replaces by DTensor shards.
         self.dist = distributed.init_from_env()
@@ -380,7 +382,7 @@ class Trainer:
         final = self._final_checkpoint()
         if interrupted:
             print(f"\ninterrupted at step {self.step}: saved {final}; run the same command again "
-                  "(or add resume_from=latest) to resume", flush=True)
+                  f"(or add {self.resume_hint}) to resume", flush=True)
             raise KeyboardInterrupt
         # last_loss, not the last log line: a resume at max_steps trains and logs nothing.
         return {"steps": self.step, "tokens": self.tokens_seen, "final_loss": self.last_loss,

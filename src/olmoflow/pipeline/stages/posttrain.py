@@ -88,6 +88,30 @@ def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
     return Base(model, tok, path, kind, files)
 
 
+# Plain text, code, non-ASCII and whitespace runs: two tokenizers that agree on all of it (and on
+# the vocabulary size and special ids) are the same for any practical purpose.
+_TOKENIZER_PROBE = ("The quick brown fox, 1234 + 5678 = 6912.\n\ndef f(x):\n    return x  # ok\n"
+                    "héllo wörld 你好 🦙 \t  spaces   end")
+
+
+def check_same_tokenizer(base: Base, other: Base, key: str) -> None:
+    """Check that ``other`` (a reference model) reads token ids as ``base`` does: a reference
+    with another tokenizer would score the base's token ids as other text, silently.
+
+    Raises:
+        OlmoflowError: the vocabularies, special ids or the encoding of a probe text differ
+            (the message names ``key`` and both paths).
+    """
+    a, b = base.tokenizer, other.tokenizer
+    same = (a.vocab_size == b.vocab_size and a.eos_token_id == b.eos_token_id
+            and a.pad_token_id == b.pad_token_id
+            and a.encode(_TOKENIZER_PROBE) == b.encode(_TOKENIZER_PROBE))
+    if not same:
+        raise OlmoflowError(f"{key}: '{other.path}' has another tokenizer than the base "
+                            f"'{base.path}' (vocabulary {b.vocab_size} vs {a.vocab_size}); the "
+                            "reference must share the base's tokenizer")
+
+
 def say(stage: str, message: str) -> None:
     """One line of what a stage found in its input (data counts, LoRA sizes), as the stage
     lines of the runner print (rank 0 only under torchrun)."""
@@ -174,7 +198,8 @@ def train_posttrain(cfg: RunConfig, stage: str, base: Base, loader: Any, objecti
         say(stage, f"LoRA: {lora_report(model)['text']}")
     trainer = Trainer(model, section.train, loader, out,
                       config_yaml=trained_config_yaml(cfg, base.model), progress=progress,
-                      objective=objective, callbacks=callbacks or [])
+                      objective=objective, callbacks=callbacks or [],
+                      resume_hint=f"{stage}.train.checkpoint.resume_from=latest")
     return trainer.fit(), out
 
 
@@ -208,6 +233,9 @@ def run_sft(cfg: RunConfig, progress: bool) -> StageResult:
     if not s.data.given:
         raise OlmoflowError("sft: no data; set sft.data.paths (JSONL of messages, Alpaca, "
                             "ShareGPT or text records), sft.data.processors or sft.data.generate")
+    from olmoflow.posttrain.data import check_data_files
+
+    check_data_files(s.data.paths, "sft.data.paths")  # before the (slow) base load
     base = load_base(cfg, "sft")
     prepare_chat(base, s.template)
     out = stage_dir(cfg, "sft")
@@ -260,13 +288,6 @@ def _stage(name: str, run, help: str, headline: tuple[str, ...]) -> Stage:
                  trains=Trains(resume_key=f"{name}.train.checkpoint.resume_from"))
 
 
-SFT = _stage("sft", run_sft, "supervised fine-tuning on conversations (sft.data)",
-             ("examples", "steps", "final_loss"))
-
-
-
-
-
 def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
     """Preference tuning of the base on ``dpo.data`` against a frozen reference whose
     log-probabilities are computed once and cached in the stage directory."""
@@ -284,6 +305,9 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
     if not d.data.given:
         raise OlmoflowError("dpo: no data; set dpo.data.paths (HH-RLHF chosen/rejected, "
                             "prompt/chosen/rejected, ShareGPT or stack-exchange pairs)")
+    from olmoflow.posttrain.data import check_data_files
+
+    check_data_files(d.data.paths, "dpo.data.paths")
     base = load_base(cfg, "dpo")
     prepare_chat(base, d.template)
     out = stage_dir(cfg, "dpo")
@@ -297,6 +321,7 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
         ref = base if not d.reference else load_base(cfg, "dpo", d.reference)
         if ref is not base:
             prepare_chat(ref, d.template)
+            check_same_tokenizer(base, ref, "dpo.reference")
         reference_files = ref.files
         # the reference is named by its files' content: a base retrained at the same path is
         # another reference
@@ -358,12 +383,19 @@ def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ref_model = None
+    if r.kl_coef > 0:
+        # The KL term's reference is the base as it starts: a frozen copy, on the device the
+        # policy trains on (the policy moves there in train_posttrain).
+        import copy
+
+        ref_model = copy.deepcopy(base.model).eval().requires_grad_(False).to(device)
     loader = RolloutLoader(
         base.model, base.tokenizer, train_prompts, prompts_per_step=r.prompts_per_step,
         group_size=r.group_size, seed=cfg.seed, template=template,
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_p=r.top_p),
-        scale="std" if r.scale_rewards else "none",
+        scale="std" if r.scale_rewards else "none", ref_model=ref_model,
         autocast_dtype=autocast_dtype(r.train.precision, device))
     objective = GRPOObjective(clip_low=r.clip_low, clip_high=r.clip_high, kl_coef=r.kl_coef,
                               loss_type=r.loss_type, max_length=r.max_new_tokens)
@@ -377,6 +409,8 @@ def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
                      {"prompts": len(train_prompts), "heldout_prompts": len(heldout)})
 
 
+SFT = _stage("sft", run_sft, "supervised fine-tuning on conversations (sft.data)",
+             ("examples", "steps", "final_loss"))
 DPO = _stage("dpo", run_dpo, "preference tuning (DPO, length-normalized DPO, SimPO) on dpo.data",
              ("pairs", "steps", "final_loss"))
 RL = _stage("rl", run_rl, "RL with verifiable rewards (GRPO) on rl.prompts",

@@ -58,4 +58,5 @@ TRAIN_BOOKKEEPING = tuple(f"train.{k}" for k in (
 PRETRAIN = Stage("pretrain", run_pretrain, ("model", "train", "seed"), ("tokenize",),
                  ("parameters", "steps", "tokens", "final_loss", "packing_efficiency"),
                  help="pretrain the model", ignore=TRAIN_BOOKKEEPING, stamp=token_data_stamp,
-                 trains=Trains(resume_key="train.checkpoint.resume_from"))
+                 trains=Trains(resume_key="train.checkpoint.resume_from",
+                               resume_alias="resume_from"))
