@@ -1,4 +1,4 @@
-"""The generate stage: sample from the trained model."""
+"""The generate stage: sample text continuations from the pretrained model."""
 
 from __future__ import annotations
 
@@ -9,18 +9,15 @@ import torch
 from olmoflow.artifacts import StageResult, atomic_write_text
 from olmoflow.pipeline.config import RunConfig
 from olmoflow.pipeline.stage import Flag, Stage
-from olmoflow.pipeline.stages.common import (
-    MODEL_STAGES,
-    load_trained_model,
-    model_inputs,
-    stage_dir,
-)
+from olmoflow.pipeline.stages.common import load_trained_model, model_inputs, stage_dir
 
 SAMPLES = "samples.jsonl"
 
 
 def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
-    model, tok, ckpt = load_trained_model(cfg)
+    # Raw-text continuations are what a pretrained model is for; a post-trained one answers
+    # turns of its chat template (olmoflow chat) and may end its turn at once on a bare prefix.
+    model, tok, ckpt = load_trained_model(cfg, "pretrain")
     g = cfg.generate
     samples = []
     for i, prompt in enumerate(g.prompts):
@@ -31,7 +28,7 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, "generate")
     atomic_write_text(out_dir / SAMPLES, "".join(json.dumps(s) + "\n" for s in samples))
-    return StageResult(inputs=model_inputs(cfg, ckpt), outputs=[out_dir / SAMPLES],
+    return StageResult(inputs=model_inputs(cfg, ckpt, "pretrain"), outputs=[out_dir / SAMPLES],
                        counts={"samples": len(samples), "checkpoint": ckpt.name})
 
 
@@ -47,8 +44,8 @@ def show_samples(cfg: RunConfig) -> None:
 
 
 GENERATE = Stage(
-    "generate", run_generate, ("generate",), MODEL_STAGES, ("samples",),
-    help="sample text from the trained model", show=show_samples,
+    "generate", run_generate, ("generate",), ("pretrain",), ("samples",),
+    help="sample text from the pretrained model", show=show_samples,
     flags=(Flag("--prompt", "generate.prompts", "a prompt (repeatable)", repeat=True,
                 forces_rerun=True),
            Flag("--max-new-tokens", "generate.max_new_tokens", "tokens to sample per prompt",
