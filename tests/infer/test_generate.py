@@ -71,6 +71,23 @@ def test_stop_strings_keep_the_stop_and_fill(bpe, scripted):
     assert bpe.decode(single[0, 1:]) == "one two STOP" and single.shape[1] < 1 + n
 
 
+def test_return_lengths_counts_each_row_up_to_what_ended_it(bpe, scripted):
+    """A row ended by a stop string, one ended by EOS and one that runs to the limit: the lengths
+    cover exactly the tokens before the fill, the ending token included."""
+    row0 = bpe.encode("one two STOP three four five six")
+    row1 = bpe.encode("a b") + [bpe.eos_token_id] + bpe.encode(" c d e f g h i j")
+    row2 = bpe.encode("k l m n o p q r s t u v w x y z")
+    n = min(map(len, (row0, row1, row2)))
+    model = scripted([row0, row1, row2], bpe.vocab_size)
+    out, lengths = generate(model, torch.zeros(3, 1, dtype=torch.long), max_new_tokens=n,
+                            stop_strings=["STOP"], tokenizer=bpe, eos_token_id=bpe.eos_token_id,
+                            pad_token_id=bpe.pad_token_id, return_lengths=True)
+    stop_end = next(k for k in range(1, n + 1) if "STOP" in bpe.decode(row0[:k]))
+    assert lengths.tolist() == [stop_end, len(bpe.encode("a b")) + 1, out.shape[1] - 1]
+    for r, k in enumerate(lengths.tolist()):
+        assert (out[r, 1 + k:] == bpe.pad_token_id).all()
+
+
 def test_stop_string_split_inside_a_character(bpe, scripted):
     ids = bpe.encode("ab 😀 cd 😀 ef")
     out = generate(scripted([ids], bpe.vocab_size), torch.zeros(1, 1, dtype=torch.long),

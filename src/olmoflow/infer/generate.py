@@ -166,7 +166,8 @@ def iter_tokens(
 
 
 def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token_id,
-                 pad_token_id, tokenizer, vocab_size, compile) -> Iterator[torch.Tensor]:
+                 pad_token_id, tokenizer, vocab_size, compile,
+                 lengths: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
     B, T = input_ids.shape
     if tokenizer is not None:  # a tokenizer knows its EOS and pad ids
         if eos_token_id is None:
@@ -187,12 +188,17 @@ def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token
         vocab_size = tokenizer.vocab_size
     return _decode(model, input_ids, sp.max_new_tokens, attention_mask, sp.do_sample,
                    sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, eos_token_id, fill,
-                   stops, tokenizer, sp.seed, vocab_size, _compiled_decoder(model, compile))
+                   stops, tokenizer, sp.seed, vocab_size, _compiled_decoder(model, compile),
+                   lengths)
 
 
 def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
             penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size,
-            compiled) -> Iterator[torch.Tensor]:
+            compiled, lengths=None) -> Iterator[torch.Tensor]:
+    # lengths [B], when given: filled with each row's count of new tokens up to and including
+    # the one that ended it (EOS or a completed stop string), n_new for a row that never ended
+    if lengths is not None:
+        lengths.fill_(n_new)
     if n_new == 0:
         return
     B, T = input_ids.shape
@@ -246,10 +252,13 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
             return nxt, False
         if fill is not None:
             nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
+        before = done.clone() if lengths is not None else None
         if eos_token_id is not None:
             done.logical_or_(nxt == eos_token_id)
         if stops:
             done.logical_or_(_hit_stop(nxt, done, generated, stops, stop_window, tokenizer))
+        if before is not None:
+            lengths[(done & ~before).to(lengths.device)] = i + 1
         return nxt, bool(done.all())
 
     model.eval()
@@ -314,8 +323,12 @@ def generate(
     streamer: Any = None,
     vocab_size: int | None = None,
     compile: bool | str = False,
-) -> torch.Tensor:
-    """Continue ``input_ids [B, T]`` and return ``[B, T + n]`` (prompt included), as in HF.
+    return_lengths: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Continue ``input_ids [B, T]`` and return ``[B, T + n]`` (prompt included), as in HF; with
+    ``return_lengths``, also ``[B]`` long: each row's new tokens up to and including the one that
+    ended it (its EOS, or the token completing a stop string), ``n`` for a row that ran to the
+    limit (the rest of a row is fill).
 
     How to sample is given either as ``sampling=`` (a :class:`SamplingParams`, shared with the
     ``generate`` stage, evaluation and serving) or as ``transformers``-style keywords
@@ -366,8 +379,9 @@ def generate(
         temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, seed=seed, stop_strings=stop_strings,
     )
+    lengths = torch.empty(B, dtype=torch.long) if return_lengths else None
     steps = _iter_tokens(model, input_ids, sp, attention_mask, eos_token_id, pad_token_id,
-                         tokenizer, vocab_size, compile)
+                         tokenizer, vocab_size, compile, lengths)
     out = torch.empty(B, T + sp.max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :T] = input_ids
     n = 0
@@ -377,4 +391,4 @@ def generate(
             streamer.put(nxt)
     if streamer is not None:
         streamer.end()
-    return out[:, : T + n]
+    return (out[:, : T + n], lengths) if return_lengths else out[:, : T + n]

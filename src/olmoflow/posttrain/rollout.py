@@ -115,28 +115,6 @@ def _left_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def _response_ends(responses: torch.Tensor, eos: int | None, stops: Sequence[str],
-                   tokenizer: Any) -> list[int]:
-    """Per row, how many tokens of ``responses [N, L]`` belong to the response: up to and
-    including the first EOS, or the token that completes a stop string (found as ``generate``
-    finds it, on the decoded last tokens), else all ``L``."""
-    window = max((len(s.encode()) for s in stops), default=0) + 2
-    ends = []
-    for row in responses.tolist():
-        end = len(row)
-        for k, tok in enumerate(row, 1):
-            if eos is not None and tok == eos:
-                end = k
-                break
-            if stops:
-                tail = tokenizer.decode(row[max(0, k - window):k], skip_special_tokens=True)
-                if any(s in tail for s in stops):
-                    end = k
-                    break
-        ends.append(end)
-    return ends
-
-
 def _score(reward_fn: RewardFn, text: str, prompt: RLPrompt) -> tuple[float, bool]:
     out = reward_fn(text, prompt)
     if isinstance(out, tuple):
@@ -179,11 +157,12 @@ def sample_rollouts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[RL
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0).to(device)
     prompt_mask = prompt_mask.repeat_interleave(group_size, 0).to(device)
     sp = sampling if seed is None else replace(sampling, seed=seed)
-    out = generate(model, prompt_ids, sampling=sp, attention_mask=prompt_mask, eos_token_id=eos,
-                   pad_token_id=pad, tokenizer=tokenizer)
+    out, lengths = generate(model, prompt_ids, sampling=sp, attention_mask=prompt_mask,
+                            eos_token_id=eos, pad_token_id=pad, tokenizer=tokenizer,
+                            return_lengths=True)
     Tp = prompt_ids.shape[1]
     responses = out[:, Tp:]
-    ends = _response_ends(responses.cpu(), eos, sp.stop, tokenizer)
+    ends = lengths.tolist()
     L = responses.shape[1]
     resp_mask = torch.arange(L, device=device)[None] < torch.tensor(ends, device=device)[:, None]
     response_mask = torch.cat([torch.zeros_like(prompt_mask), resp_mask], dim=1)
