@@ -14,6 +14,21 @@ from typing import Any
 from olmoflow.errors import OlmoflowError, closest
 
 # The dolma2 tokenizer's 100,278 tokens padded to a multiple of 128, as in every official OLMo 2/3.
+# LoRA targets (model/lora.py): short name -> our module name (the Hugging Face name in the
+# comment).
+LORA_TARGETS = {
+    "q": "w_q",  # self_attn.q_proj
+    "k": "w_k",  # self_attn.k_proj
+    "v": "w_v",  # self_attn.v_proj
+    "o": "w_out",  # self_attn.o_proj
+    "gate": "w1",  # mlp.gate_proj
+    "up": "w3",  # mlp.up_proj
+    "down": "w2",  # mlp.down_proj
+}
+# Also accepted in ``targets``: the Hugging Face names and our module names.
+LORA_TARGET_ALIASES = {
+    **{f"{k}_proj": k for k in LORA_TARGETS}, **{v: k for k, v in LORA_TARGETS.items()},
+}
 OLMO_VOCAB_SIZE = 100_352
 
 

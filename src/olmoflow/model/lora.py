@@ -35,22 +35,12 @@ import torch
 from torch import nn
 
 from olmoflow.errors import OlmoflowError, closest
+from olmoflow.model.config import LORA_TARGET_ALIASES, LORA_TARGETS
 from olmoflow.model.olmo import Olmo
 
-# Short name -> our module name (the Hugging Face name in the comment).
-TARGETS = {
-    "q": "w_q",  # self_attn.q_proj
-    "k": "w_k",  # self_attn.k_proj
-    "v": "w_v",  # self_attn.v_proj
-    "o": "w_out",  # self_attn.o_proj
-    "gate": "w1",  # mlp.gate_proj
-    "up": "w3",  # mlp.up_proj
-    "down": "w2",  # mlp.down_proj
-}
-# Also accepted in ``targets``: the Hugging Face names and our module names.
-TARGET_ALIASES = {
-    **{f"{k}_proj": k for k in TARGETS}, **{v: k for k, v in TARGETS.items()},
-}
+# The short names, what they adapt and the other names accepted: beside the model's config, so
+# that a run config checks them without importing peft or this module.
+TARGETS, TARGET_ALIASES = LORA_TARGETS, LORA_TARGET_ALIASES
 QUANTIZE = (None, "8bit", "4bit")
 SETTINGS_FILE = "lora.json"
 ADAPTER = "default"  # peft's adapter name; part of the state-dict keys

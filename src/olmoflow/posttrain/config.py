@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from olmoflow.errors import OlmoflowError, unknown_name_error
+from olmoflow.model.config import LORA_TARGET_ALIASES, LORA_TARGETS
 from olmoflow.train.config import CheckpointConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 
 TOO_LONG = ("truncate", "drop")
 GENERATORS = ("stdlib_docstrings",)
-DPO_LOSSES = ("sigmoid", "length_normalized", "simpo")
+DPO_LOSS_TYPES = ("sigmoid", "length_normalized", "simpo")
+GRPO_NORMALIZATIONS = ("token", "sequence", "constant")
+ARITHMETIC_FORMS = ("question", "bare", "doctest")
 RL_SOURCES = ("arithmetic", "gsm8k", "jsonl")
 LORA_QUANTIZE = ("none", "8bit", "4bit")
 
@@ -114,9 +117,7 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not self.alpha > 0:
             raise OlmoflowError(f"lora.alpha must be > 0 (the scale is alpha / r), got "
                                 f"{self.alpha}")
-        from olmoflow.model.lora import TARGET_ALIASES, TARGETS
-
-        valid = tuple(TARGETS)
+        valid = tuple(LORA_TARGETS)
         if isinstance(self.targets, str):  # "lora.targets=q": one name, not its characters
             self.targets = [self.targets]
         if not self.targets:
@@ -124,7 +125,7 @@ class LoraConfig:
         canon: list[str] = []
         for t in self.targets:
             # peft's names (q_proj) and our module names (w_q) as LoraSettings takes them
-            name = t if t in TARGETS else TARGET_ALIASES.get(t)
+            name = t if t in LORA_TARGETS else LORA_TARGET_ALIASES.get(t)
             if name is None:
                 raise unknown_name_error("lora.targets", t, valid)
             if name not in canon:
@@ -194,8 +195,8 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         _check_template(self.template, "dpo.template")
-        if self.loss not in DPO_LOSSES:
-            raise unknown_name_error("dpo.loss", self.loss, DPO_LOSSES)
+        if self.loss not in DPO_LOSS_TYPES:
+            raise unknown_name_error("dpo.loss", self.loss, DPO_LOSS_TYPES)
         _check_positive(self, "dpo", ("beta",))
         if self.simpo_gamma < 0:
             raise OlmoflowError(f"dpo.simpo_gamma must be >= 0 (SimPO's target reward margin), "
@@ -226,8 +227,6 @@ class RLPromptsConfig:
     chat: bool = False
 
     def __post_init__(self) -> None:
-        from olmoflow.posttrain.rewards import ARITHMETIC_FORMS
-
         if self.form not in ARITHMETIC_FORMS:
             raise unknown_name_error("rl.prompts.form", self.form, ARITHMETIC_FORMS)
         if self.source is not None and self.source not in RL_SOURCES:
@@ -277,8 +276,6 @@ class RLConfig:
                                 f"prompt), got {self.group_size}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0:
             raise OlmoflowError("rl.clip_low must be in [0, 1), rl.clip_high and rl.kl_coef >= 0")
-        from olmoflow.posttrain.losses import GRPO_NORMALIZATIONS
-
         if self.loss_type not in GRPO_NORMALIZATIONS:
             raise unknown_name_error("rl.loss_type", self.loss_type, GRPO_NORMALIZATIONS)
         if self.eval_interval < 0:

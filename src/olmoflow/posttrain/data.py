@@ -60,6 +60,7 @@ from typing import Any
 from olmoflow.errors import OlmoflowError, closest
 from olmoflow.eval.sources import guess_format, read_records
 from olmoflow.posttrain.chat_template import ChatTemplate, render
+from olmoflow.posttrain.config import TOO_LONG
 from olmoflow.posttrain.formats import (
     PREFERENCE_FORMATS,
     SFT_FORMATS,
@@ -72,7 +73,6 @@ from olmoflow.tokenizer.base import BaseTokenizer
 
 log = logging.getLogger(__name__)
 
-TOO_LONG = ("truncate", "drop")
 
 
 @dataclass

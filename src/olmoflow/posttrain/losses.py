@@ -26,10 +26,9 @@ import torch.nn.functional as F
 
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
+from olmoflow.posttrain.config import DPO_LOSS_TYPES, GRPO_NORMALIZATIONS
 
-DPO_LOSS_TYPES = ("sigmoid", "length_normalized", "simpo")
 ADVANTAGE_SCALES = ("std", "none")
-GRPO_NORMALIZATIONS = ("token", "sequence", "constant")
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,9 +31,9 @@ from typing import Any
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.eval.answers import extract_final_number, gsm8k_gold, normalize_number
 from olmoflow.eval.sources import guess_format, read_records
+from olmoflow.posttrain.config import ARITHMETIC_FORMS
 from olmoflow.posttrain.data import DataStats
 
-ARITHMETIC_FORMS = ("question", "bare", "doctest")
 ARITHMETIC_SPLITS = ("train", "heldout")
 # One problem in HELDOUT_EVERY goes to the held-out split.
 HELDOUT_EVERY = 5

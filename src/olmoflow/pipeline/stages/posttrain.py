@@ -84,7 +84,9 @@ def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
     model = (load_step_model(path, tok.vocab_size) if kind == "step"
              else Olmo.from_pretrained(path, dtype=None))
     model = model.float()
-    files = data_files(path) + [f for f in data_files(tok_dir) if f not in data_files(path)]
+    files = data_files(path)
+    read = set(files)  # a release directory holds the weights and the tokenizer both
+    files += [f for f in data_files(tok_dir) if f not in read]
     return Base(model, tok, path, kind, files)
 
 
