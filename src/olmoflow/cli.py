@@ -18,6 +18,8 @@ Tool verbs take no run config:
                                                    evaluation tasks (see olmoflow.eval.cli)
     olmoflow chat DIR [--system TEXT] [--seed N]   talk with a model in its chat template
     olmoflow merge-lora CHECKPOINT OUT             fold a LoRA run's adapters into an HF model
+    olmoflow diagnose CHECKPOINT [--reinit OUT]    check weights for NaN/Inf, outliers, dead layers
+    olmoflow data-order RUN --step N               the documents of step N's training batch
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -119,6 +121,22 @@ def _tool_parsers(sub) -> None:
     merge.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     merge.set_defaults(tool=_merge_lora)
 
+    from olmoflow.scripts.diagnose_weights import add_arguments as add_diagnose_arguments
+
+    diagnose = add_diagnose_arguments(sub.add_parser(
+        "diagnose", help="check a checkpoint's weights (NaN/Inf, outliers, dead rows, layers far "
+        "from their siblings) before fine-tuning; exit 1 when a tensor is flagged"))
+    diagnose.set_defaults(tool=_diagnose)
+
+    order = sub.add_parser("data-order", help="the documents of one pretraining step's batch "
+                           "(id, source, token span, start of the text)")
+    order.add_argument("run", metavar="RUN", help="a run directory (with its config.yaml)")
+    order.add_argument("--step", type=int, required=True, help="the training step (from 1)")
+    order.add_argument("--chars", type=int, default=60,
+                       help="characters of text shown per document (default 60; 0: none)")
+    order.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    order.set_defaults(tool=_data_order)
+
     from olmoflow.data.commands import add_data_parser
     from olmoflow.eval.cli import add_eval_parser
     from olmoflow.infer.chat import add_chat_parser
@@ -128,7 +146,37 @@ def _tool_parsers(sub) -> None:
     add_chat_parser(sub)
 
 
-TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "merge-lora")
+TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "merge-lora",
+              "diagnose", "data-order")
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from olmoflow.scripts.diagnose_weights import run
+
+    return run(args)
+
+
+def _data_order(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from olmoflow.data.order import format_spans, spans_json, step_documents
+    from olmoflow.pipeline.config import load_config
+    from olmoflow.run_dir import RunDir
+
+    run = Path(args.run)
+    if not RunDir(run).config.is_file():
+        raise OlmoflowError(f"'{run}' is not a run directory (no config.yaml in it)")
+    if args.chars < 0:
+        raise OlmoflowError(f"--chars must be >= 0, got {args.chars}")
+    cfg = load_config(str(RunDir(run).config), values={"run_dir": str(run)})
+    spans = step_documents(cfg, args.step, chars=args.chars)
+    if args.json:
+        print(json.dumps({"step": args.step, "documents": spans_json(spans)}, indent=1))
+    else:
+        rows = len({s.row for s in spans})
+        print(f"step {args.step}: {rows} instances, {len(spans)} document spans")
+        print(format_spans(spans))
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -224,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.overrides += rest  # `olmoflow data run CONFIG --force a.b=1`
             elif rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            args.tool(args)
+            status = args.tool(args)
+            if isinstance(status, int) and not isinstance(status, bool) and status:
+                return status  # a tool's own verdict, e.g. diagnose: 1 = a tensor was flagged
         else:
             _run_pipeline_verb(parser, args, rest)
     except OlmoflowError as e:

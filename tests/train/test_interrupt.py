@@ -1,6 +1,7 @@
 """Ctrl-C and resume through the command line: ``olmoflow pretrain`` is interrupted with SIGINT
 mid-run, then ``olmoflow pretrain CONFIG resume_from=latest`` in a new process finishes it, and
-every logged loss, the final loss and the final weights equal an uninterrupted run's exactly."""
+every logged loss, the final loss and the final weights equal an uninterrupted run's exactly; the
+seed-style ``python -m olmoflow.scripts.train`` continues it further."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from olmoflow.cli import main
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.release.export import load_step_model
+from olmoflow.scripts.train import main as train_script
 from olmoflow.tokenizer import Tokenizer
 from olmoflow.train.checkpoint import parse_checkpoint_name, resolve_checkpoint
 
@@ -109,9 +111,11 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert [ln.split(",")[0] for ln in index[1:]] == [str(stopped), str(STEPS)]
     assert index[1].endswith(",pruned") and index[2].endswith(",kept")
 
-    # resume_from with more steps continues the finished run (the config changed: not a restart).
+    # resume_from with more steps continues the finished run (the config changed: not a restart),
+    # here through the seed-style entry point, `python -m olmoflow.scripts.train CONFIG ...`.
     try:
-        assert main(pretrain_args(run, f"train.max_steps={STEPS + 5}", "resume_from=latest")) == 0
+        more = pretrain_args(run, f"train.max_steps={STEPS + 5}", "resume_from=latest")
+        assert train_script(more[1:]) == 0
     finally:
         torch.set_num_threads(threads)
     longer, _ = final_state(run)

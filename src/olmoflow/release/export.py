@@ -214,12 +214,37 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     Raises:
         OlmoflowError: bad paths, unknown dtype, or a checkpoint that does not load.
     """
-    from olmoflow.model.hf import save_hf_dir
     from olmoflow.tokenizer import Tokenizer
 
     if dtype is not None and dtype not in DTYPES:
         raise OlmoflowError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
     kind, src = resolve_source(checkpoint)
+    out = check_output(out, kind, src, force)
+    tok_dir = find_tokenizer(kind, src, tokenizer)
+    tok = Tokenizer.from_pretrained(tok_dir)
+    if kind == "step":
+        model = load_step_model(src, tok.vocab_size)
+    else:
+        from olmoflow.model.olmo import Olmo
+
+        model = Olmo.from_pretrained(src)
+    if model.config.vocab_size < tok.vocab_size:
+        raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
+                            f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
+
+    return write_model_dir(model, out, tok_dir, dtype=dtype, tok=tok, manifest={
+        "command": "olmoflow export hf", "source": str(src.resolve()), "source_kind": kind})
+
+
+def check_output(out: str | Path, kind: str, src: Path, force: bool) -> Path:
+    """``out`` as a path, checked as the destination of a model directory written from the
+    checkpoint ``src`` (``kind`` as :func:`resolve_source` says).
+
+    Raises:
+        OlmoflowError: ``out`` is non-empty without ``force``; it is, holds or lies inside the
+            checkpoint or (for a step) its folder, whose other checkpoints ``force`` would delete;
+            a parent of it is a file.
+    """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise OlmoflowError(f"output '{out}' exists and is not empty; pass --force to replace it")
@@ -234,18 +259,27 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     blocked = next((p for p in ro.parents if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise OlmoflowError(f"output '{out}': '{blocked}' is a file, not a directory")
-    tok_dir = find_tokenizer(kind, src, tokenizer)
-    tok = Tokenizer.from_pretrained(tok_dir)
-    if kind == "step":
-        model = load_step_model(src, tok.vocab_size)
-    else:
-        from olmoflow.model.olmo import Olmo
+    return out
 
-        model = Olmo.from_pretrained(src)
-    if model.config.vocab_size < tok.vocab_size:
-        raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
-                            f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
 
+def write_model_dir(model, out: Path, tok_dir: Path, *, manifest: dict,
+                    dtype: str | None = None, tok=None) -> Path:
+    """Write ``model`` as a Hugging Face directory at ``out`` (replacing it whole if it exists):
+    the weights (``dtype`` or as stored), the tokenizer files of ``tok_dir``, and an
+    ``export_manifest.json`` of ``manifest`` plus the tokenizer, architecture, parameter count,
+    time and every file's sha256. Built in a temporary sibling and renamed into place, so ``out``
+    is never half written. ``tok`` is the tokenizer of ``tok_dir`` when the caller has it loaded
+    already. Returns ``out``.
+
+    Raises:
+        OlmoflowError: a write failure (a full disk names ``out``), or the save refused (a
+            quantized model).
+    """
+    from olmoflow.model.hf import save_hf_dir
+    from olmoflow.tokenizer import Tokenizer
+
+    tok = tok if tok is not None else Tokenizer.from_pretrained(tok_dir)
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -254,9 +288,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
         files += _copy_tokenizer_files(tok_dir, tmp, skip={f.name for f in files})
         arch = "Olmo3ForCausalLM" if model.config.sliding_window else "Olmo2ForCausalLM"
         atomic_write_json(tmp / "export_manifest.json", {
-            "command": "olmoflow export hf",
-            "source": str(src.resolve()), "source_kind": kind, "tokenizer": str(tok_dir.resolve()),
-            "architecture": arch,
+            **manifest, "tokenizer": str(Path(tok_dir).resolve()), "architecture": arch,
             "parameters": model.num_params(), "created": now(),
             "files": {f.name: sha256_file(f) for f in files},
         })

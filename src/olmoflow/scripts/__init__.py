@@ -1,0 +1,1 @@
+"""Module entry points in the form OLMo's documentation uses (``python -m olmoflow.scripts.X``)."""
