@@ -11,6 +11,7 @@ Tool verbs take no run config:
     olmoflow model info PRESET                     shape, parameter counts and memory of a preset
     olmoflow model list                            the model presets
     olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face directory
+    olmoflow export gguf CHECKPOINT OUT.gguf       ... -> one GGUF file for llama.cpp
     olmoflow plot RUN [--out DIR]                  the training log's curves and heatmaps as PNGs
     olmoflow plan CONFIG --gpus N                  memory per GPU under DDP and FSDP (fits or not)
     olmoflow data run CONFIG                       the data engine (see olmoflow.data.commands)
@@ -20,6 +21,7 @@ Tool verbs take no run config:
     olmoflow merge-lora CHECKPOINT OUT             fold a LoRA run's adapters into an HF model
     olmoflow diagnose CHECKPOINT [--reinit OUT]    check weights for NaN/Inf, outliers, dead layers
     olmoflow data-order RUN --step N               the documents of step N's training batch
+    olmoflow reproduce RUN --from CKPT --steps K   replay K steps and compare with the log exactly
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -82,7 +84,8 @@ def _tool_parsers(sub) -> None:
     lst = msub.add_parser("list", help="the model presets with their parameter counts")
     lst.set_defaults(tool=_model_list)
 
-    export = sub.add_parser("export", help="export a checkpoint to another format: hf")
+    export = sub.add_parser("export", help="export a checkpoint to another format: hf, "
+                            "gguf")
     esub = export.add_subparsers(dest="action", required=True, metavar="FORMAT")
     hf = esub.add_parser("hf",
                          help="a Hugging Face directory (Olmo3ForCausalLM / Olmo2ForCausalLM)")
@@ -96,6 +99,17 @@ def _tool_parsers(sub) -> None:
                     help="weights dtype: float32, bfloat16 or float16 (default: as stored)")
     hf.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     hf.set_defaults(tool=_export_hf)
+    gg = esub.add_parser("gguf", help="one GGUF file for llama.cpp (architecture olmo2)")
+    gg.add_argument("checkpoint", help="a step directory, a checkpoint folder with 'latest', or "
+                    "a Hugging Face directory (a release)")
+    gg.add_argument("out", help="the .gguf file to write (must not exist)")
+    gg.add_argument("--dtype", default="f16",
+                    help="2-D weights: f32, f16 or q8_0 (default: f16; norms stay f32)")
+    gg.add_argument("--tokenizer",
+                    help="directory with tokenizer.json (default: the tokenizer the run trained "
+                    "with)")
+    gg.add_argument("--force", action="store_true", help="replace an existing OUT")
+    gg.set_defaults(tool=_export_gguf)
 
     plot = sub.add_parser("plot", help="draw a run's training log (loss, lr, grad norm, "
                           "throughput, per-layer and per-head heatmaps) into PNG files")
@@ -137,17 +151,30 @@ def _tool_parsers(sub) -> None:
     order.add_argument("--json", action="store_true", help="print JSON instead of a table")
     order.set_defaults(tool=_data_order)
 
+    repro = sub.add_parser("reproduce", help="replay pretraining steps from a checkpoint and "
+                           "compare every logged loss, grad norm and lr bit for bit; exit 1 at "
+                           "the first difference")
+    repro.add_argument("run", metavar="RUN", help="a run directory")
+    repro.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT",
+                       help="a checkpoint directory, its name in RUN/pretrain, latest or stepN")
+    repro.add_argument("--steps", type=int, default=20, help="steps to replay (default 20)")
+    repro.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="change a setting of the replay (to see where it diverges)")
+    repro.set_defaults(tool=_reproduce)
+
     from olmoflow.data.commands import add_data_parser
     from olmoflow.eval.cli import add_eval_parser
     from olmoflow.infer.chat import add_chat_parser
+    from olmoflow.serve.cli import add_serve_parser
 
     add_data_parser(sub)
     add_eval_parser(sub)
     add_chat_parser(sub)
+    add_serve_parser(sub)
 
 
-TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "merge-lora",
-              "diagnose", "data-order")
+TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "serve", "merge-lora",
+              "diagnose", "data-order", "reproduce")
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -177,6 +204,14 @@ def _data_order(args: argparse.Namespace) -> None:
         rows = len({s.row for s in spans})
         print(f"step {args.step}: {rows} instances, {len(spans)} document spans")
         print(format_spans(spans))
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from olmoflow.release.reproduce import describe, reproduce
+
+    replay = reproduce(args.run, args.checkpoint, args.steps, args.overrides)
+    print(describe(replay))
+    return 0 if replay.exact else 1
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -215,6 +250,15 @@ def _export_hf(args: argparse.Namespace) -> None:
                     force=args.force)
     print(f"exported '{args.checkpoint}' to '{out}' (load with "
           f"transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
+
+
+def _export_gguf(args: argparse.Namespace) -> None:
+    from olmoflow.release.gguf_export import export_gguf
+
+    out = export_gguf(args.checkpoint, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
+                      force=args.force)
+    print(f"exported '{args.checkpoint}' to '{out}' ({args.dtype}; run with llama.cpp: "
+          f"llama-cli -m '{out}')")
 
 
 def _merge_lora(args: argparse.Namespace) -> None:

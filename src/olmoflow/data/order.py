@@ -117,8 +117,8 @@ def step_batch(cfg, step: int):
         OlmoflowError: ``step`` < 1 or past the steps the run trained; a checkpoint whose loader
             state does not fit the data (another seed, packing, sequence length or data).
     """
-    from olmoflow.data.loader import DataLoader, build_dataset
-    from olmoflow.pipeline.stages.common import load_tokenizer, stage_dir, token_split
+    from olmoflow.pipeline.stages.common import load_tokenizer, stage_dir
+    from olmoflow.pipeline.stages.train import pretrain_loader
 
     if step < 1:
         raise OlmoflowError(f"--step must be >= 1 (steps count from 1), got {step}")
@@ -127,13 +127,7 @@ def step_batch(cfg, step: int):
     if done is not None and step > done:
         raise OlmoflowError(f"the run trained {done} steps ({folder / 'metrics.jsonl'}); "
                             f"step {step} did not happen")
-    t = cfg.train
-    paths, dtype = token_split(cfg, "train")
-    tok = load_tokenizer(cfg)
-    dataset = build_dataset(t.packing, paths, dtype, t.sequence_length, cfg.seed,
-                            t.intra_document_masking, pad_token_id=tok.pad_token_id)
-    loader = DataLoader(dataset, t.global_batch_size, seed=cfg.seed,
-                        intra_document_masking=t.intra_document_masking)
+    _, loader, _ = pretrain_loader(cfg, load_tokenizer(cfg))
     anchor, state = _anchor(folder, step)
     if state is not None:
         loader.load_state_dict(state)

@@ -17,13 +17,18 @@ from olmoflow.pipeline.stages.common import (
 from olmoflow.pipeline.stages.eval import in_loop_callback
 
 
-def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
-    from olmoflow.data.loader import DataLoader, build_dataset, index_path
-    from olmoflow.train.distributed import build_on_rank
-    from olmoflow.train.trainer import METRICS, Trainer
+def pretrain_loader(cfg: RunConfig, tok):
+    """``(dataset, loader, input paths)`` of the ``pretrain`` stage, built as it builds them (also
+    by ``olmoflow reproduce`` and ``olmoflow data-order``, which must see the very same batches):
+    the dataset ``train.packing`` names over the train split's token arrays, the seeded loader,
+    and the files read (the arrays, and their document indexes when the packing or
+    intra-document masking reads them).
 
-    out = stage_dir(cfg, "pretrain")
-    tok = load_tokenizer(cfg)
+    Raises:
+        OlmoflowError: missing tokens, fewer instances than one batch.
+    """
+    from olmoflow.data.loader import DataLoader, build_dataset, index_path
+
     paths, dtype = token_split(cfg, "train")
     t = cfg.train
     dataset = build_dataset(t.packing, paths, dtype, t.sequence_length, cfg.seed,
@@ -32,9 +37,34 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
                         intra_document_masking=t.intra_document_masking)
     if t.packing != "concat" or t.intra_document_masking:  # the document indexes are read too
         paths = paths + [index_path(p) for p in paths]
+    return dataset, loader, paths
+
+
+def pretrain_parts(cfg: RunConfig):
+    """``(tokenizer, dataset, loader, model, input paths)`` of the ``pretrain`` stage: the
+    run's tokenizer, :func:`pretrain_loader`, and the model (on the meta device and sharded under
+    torchrun + FSDP).
+
+    Raises:
+        OlmoflowError: missing tokens or tokenizer, fewer instances than one batch.
+    """
+    from olmoflow.train.distributed import build_on_rank
+
+    tok = load_tokenizer(cfg)
+    dataset, loader, paths = pretrain_loader(cfg, tok)
     # Under torchrun + FSDP a model too big for every process is built on the meta device and
     # only this rank's shards are allocated; one process trains on the GPU when there is one.
-    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size), t.parallel.data_parallel)
+    model = build_on_rank(lambda: build_model(cfg, tok.vocab_size),
+                          cfg.train.parallel.data_parallel)
+    return tok, dataset, loader, model, paths
+
+
+def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.train.trainer import METRICS, Trainer
+
+    out = stage_dir(cfg, "pretrain")
+    t = cfg.train
+    tok, dataset, loader, model, paths = pretrain_parts(cfg)
     # In-loop evaluation loads its documents now: missing data fails before training starts.
     callbacks = [cb] if (cb := in_loop_callback(cfg, tok)) is not None else []
     trainer = Trainer(model, cfg.train, loader, out, config_yaml=dump_config(cfg),
