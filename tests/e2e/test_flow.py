@@ -4,6 +4,7 @@ is checked the way a user would use it (the README's Python snippet, and ``trans
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import io
 import json
@@ -17,6 +18,7 @@ import torch
 from tolerance import assert_fp32_close, assert_greedy_agrees, forward_terms, fp32_rel
 
 from olmoflow.cli import main
+from olmoflow.model.olmo import Olmo
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.stages import STAGES
 from olmoflow.run_dir import RunDir
@@ -29,7 +31,9 @@ MAX_STEPS = 20
 pytestmark = pytest.mark.slow
 
 RELEASE_FILES = ["config.json", "model.safetensors", "tokenizer.json", "training_log.jsonl",
-                 "eval/report.json", "data_manifest.json", "checkpoints.csv", "README.md"]
+                 "eval/report.json", "data_manifest.json", "checkpoints.csv", "README.md",
+                 "environment.json", "requirements.lock", "Dockerfile", "files.json",
+                 "plots/pretrain/loss.png"]
 
 
 def sha256(path: Path) -> str:
@@ -113,18 +117,74 @@ def test_release_bundle_has_every_file(release, flow):
     assert config["model_type"] == "olmo3"
     log = (release / "training_log.jsonl").read_text()
     assert log == (flow[0] / "pretrain" / "metrics.jsonl").read_text()
-    rows = (release / "checkpoints.csv").read_text().splitlines()
-    assert rows[0] == "step,tokens,path,loss"
-    assert [r.split(",")[0] for r in rows[1:]] == ["10", str(MAX_STEPS)]
+    rows = list(csv.DictReader((release / "checkpoints.csv").read_text().splitlines()))
+    assert [int(r["step"]) for r in rows] == [10, MAX_STEPS]
     tokens = 8 * 64  # the tiny preset's global batch x sequence length
-    assert [r.split(",")[2] for r in rows[1:]] == [
-        f"pretrain/{checkpoint_name('stage1', s, s * tokens)}" for s in (10, MAX_STEPS)]
+    names = [checkpoint_name("stage1", s, s * tokens) for s in (10, MAX_STEPS)]
+    assert [r["name"] for r in rows] == names
+    assert [r["path"] for r in rows] == [f"checkpoints/{n}" for n in names]
     logged = {r["step"]: r["loss"] for r in map(json.loads, log.splitlines())}
-    for row in rows[1:]:  # the loss pretraining recorded when it saved the checkpoint
-        step, _, _, loss = row.split(",")
+    for row in rows:  # the loss pretraining recorded when it saved the checkpoint
         # 6 decimals: within half of 1e-6 of the logged float (the same number, rounded).
-        assert float(loss) == pytest.approx(logged[int(step)], abs=5e-7 + 1e-12)
+        assert float(row["loss"]) == pytest.approx(logged[int(row["step"])], abs=5e-7 + 1e-12)
+        exported = release / row["path"]
+        hashes = dict(pair.split("=") for pair in row["sha256"].split())
+        assert hashes["model.safetensors"] == sha256(exported / "model.safetensors")
+        assert int(row["checkpoint_bytes"]) > 2 * (exported / "model.safetensors").stat().st_size
+    # an intermediate checkpoint loads on its own, and the final one is the released model
+    first = Olmo.from_pretrained(release / rows[0]["path"])
+    final = Olmo.from_pretrained(release / rows[-1]["path"])
+    released = Olmo.from_pretrained(release)
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(),
+                                                 released.state_dict().values()))
+    assert not torch.equal(first.lm_head.weight, released.lm_head.weight)
+    env = json.loads((release / "environment.json").read_text())
+    assert env["packages"]["torch"] == torch.__version__ and "git_dirty" in env
+    assert f"torch=={torch.__version__}" in (release / "requirements.lock").read_text()
+    card = (release / "README.md").read_text()
+    assert "x the weights" in card and "## Environment" in card and "olmoflow verify" in card
     assert "olmoflow-tiny" in (release / "README.md").read_text()
+
+
+def test_verify_passes_and_names_each_tampered_file(flow, tmp_path, capsys):
+    run_dir = flow[0]
+    assert main(["verify", str(run_dir / "release")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK:") and "0 problem(s)" in out
+    sources = int(out.split("release files re-hashed, ")[1].split(" ")[0])
+    assert sources >= len(list(BOOKS.glob("*.txt")))  # followed back to the raw books
+
+    def tampered(edit) -> str:
+        copy = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(run_dir, copy)
+        edit(copy)
+        assert main(["verify", str(copy / "release")]) == 1
+        return capsys.readouterr().out
+
+    def flip_byte(path: Path, at: int = 1000) -> None:
+        data = bytearray(path.read_bytes())
+        data[at] ^= 1
+        path.write_bytes(bytes(data))
+
+    out = tampered(lambda c: flip_byte(c / "release" / "model.safetensors", 10_000))
+    assert "changed: model.safetensors" in out and out.count("\n") == 2  # one problem, a summary
+
+    def edit_log(c: Path) -> None:
+        log = c / "release" / "training_log.jsonl"
+        lines = log.read_text().splitlines()
+        lines[3] = lines[3].replace('"step": 4', '"step": 40')
+        log.write_text("\n".join(lines) + "\n")
+
+    assert "changed: training_log.jsonl" in tampered(edit_log)
+    out = tampered(lambda c: flip_byte(c / "release" / "data_manifest.json", 50))
+    assert "changed: data_manifest.json" in out
+    out = tampered(lambda c: (c / "release" / "checkpoints" / "extra.bin").write_bytes(b"x"))
+    assert "added: checkpoints/extra.bin" in out
+    out = tampered(lambda c: (c / "release" / "eval" / "report.json").unlink())
+    assert "missing: eval/report.json" in out
+    # the data the release traces back to: the run's cleaned documents, changed after the fact
+    out = tampered(lambda c: flip_byte(c / "clean" / "documents.jsonl.gz", 20))
+    assert "source changed since the data was made" in out and "clean" in out
 
 
 def test_training_loss_went_down_and_heldout_bpb_is_finite(release):

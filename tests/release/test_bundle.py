@@ -6,8 +6,8 @@ import csv
 import io
 from types import SimpleNamespace
 
-from olmoflow.release.bundle import checkpoints_csv
 from olmoflow.release.card import model_card
+from olmoflow.release.checkpoints import FIELDS, checkpoints_table, kept_checkpoints
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.run_dir import RunDir
 from olmoflow.train.checkpoint import INDEX, INDEX_FIELDS, TRAINER_STATE
@@ -35,14 +35,19 @@ def test_checkpoints_csv_is_the_training_stages_index_of_kept_checkpoints(tmp_pa
             (folder / name / TRAINER_STATE).write_bytes(b"not a pickle")
     rows[2]["loss"] = ""  # a checkpoint saved without a recorded loss
     write_index(folder, rows)
-    got = list(csv.reader(io.StringIO(checkpoints_csv(runs, "pretrain"))))
-    assert got == [["step", "tokens", "path", "loss"],
-                   ["20", "160", "pretrain/stage1-step20-tokens20", "3.000000"],
-                   ["30", "240", "pretrain/stage1-step30-tokens30", ""]]
+    kept = kept_checkpoints(runs, ["pretrain", "sft"])  # sft: no index, no rows
+    got = list(csv.reader(io.StringIO(checkpoints_table(kept))))
+    assert got[0] == list(FIELDS)
+    assert [r[:5] for r in got[1:]] == [["pretrain", "20", "160", "stage1-step20-tokens20",
+                                         "3.000000"],
+                                        ["pretrain", "30", "240", "stage1-step30-tokens30", ""]]
+    assert [e.source for e in kept] == [folder / "stage1-step20-tokens20",
+                                        folder / "stage1-step30-tokens30"]
 
 
 def test_checkpoints_csv_of_a_stage_without_an_index_has_only_the_header(tmp_path):
-    assert checkpoints_csv(RunDir(tmp_path), "sft") == "step,tokens,path,loss\n"
+    assert checkpoints_table(kept_checkpoints(RunDir(tmp_path), ["sft"])) == \
+        ",".join(FIELDS) + "\n"
 
 
 def test_model_card_shows_the_model_the_data_and_the_evaluation(tmp_path):

@@ -1,11 +1,14 @@
 """The release bundle: a Hugging Face model directory plus everything that made the model.
 
 Layout (DESIGN.md, "Formats"): ``config.json``, ``model.safetensors``, ``generation_config.json``,
-``tokenizer.json`` + ``tokenizer_config.json``, ``training_log.jsonl``, ``eval/`` (the held-out
-``report.json`` and, when tasks were scored, ``results.jsonl``, ``report.md``, ``heatmap.png``,
-``curves.png``),
-``data_manifest.json`` (the manifests of the data back to the raw sources), ``checkpoints.csv``,
-``environment.txt``, ``config.yaml`` and a ``README.md`` model card.
+``tokenizer.json`` + ``tokenizer_config.json``, ``training_log.jsonl`` and ``plots/``, ``eval/``
+(the held-out ``report.json`` and, when tasks were scored, ``results.jsonl``, ``report.md``,
+``heatmap.png``, ``curves.png``), ``posttrain/<stage>/training_log.jsonl``, ``checkpoints/<name>/``
+(every kept checkpoint of every training stage in Hugging Face layout) and ``checkpoints.csv``
+(:mod:`olmoflow.release.checkpoints`), ``data_manifest.json`` (the manifests of the data back to
+the raw sources), ``config.yaml``, the environment (``environment.json``, ``environment.txt``,
+``requirements.lock``, ``Dockerfile``: :mod:`olmoflow.release.environment`), a ``README.md``
+model card, and last ``files.json``, the sha256 of every other file (``olmoflow verify``).
 
 The bundle takes its own config section and the files it copies; which run directory and stages
 they come from is the pipeline's business (``olmoflow.pipeline.stages.release``).
@@ -13,8 +16,6 @@ they come from is the pipeline's business (``olmoflow.pipeline.stages.release``)
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ from olmoflow.release.card import model_card
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.run_dir import RunDir
 
-CHECKPOINT_FIELDS = ("step", "tokens", "path", "loss")
 #: what the release copies from the evaluate stage's directory besides report.json, when there.
 EVAL_FILES = ("results.jsonl", "report.md", "heatmap.png", "curves.png")
 
@@ -57,32 +57,28 @@ def final_task_scores(results: Path) -> list[dict[str, Any]]:
     return [r for r in rows if (r.get("step", 0), r.get("checkpoint", "")) == last]
 
 
-def checkpoints_csv(runs: RunDir, training_stage: str) -> str:
-    """A row per intermediate checkpoint the training stage kept: step, tokens seen, its path
-    relative to the run directory, and the training loss at that step (empty when not recorded).
+def _plots(runs: RunDir, stages: list[str], out: Path) -> list[Path]:
+    """``olmoflow plot`` of each training stage's log into ``out/plots/<stage>/`` (a stage whose
+    log has nothing to draw is left out)."""
+    from olmoflow.train.plot import plot_run
 
-    Read from the stage's own checkpoint index (``checkpoints.csv``, written as each checkpoint is
-    saved); checkpoints the keep policy pruned, or that were deleted since, are left out.
-    """
-    from olmoflow.train.checkpoint import read_index
-
-    folder = runs.stage(training_stage)
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(CHECKPOINT_FIELDS)
-    for row in read_index(folder):
-        if row.get("status", "kept") != "kept" or not (folder / row["name"]).is_dir():
-            continue
-        path = (folder / row["name"]).relative_to(runs.root).as_posix()
-        w.writerow([row["step"], row["tokens"], path, row.get("loss") or ""])
-    return buf.getvalue()
+    written = []
+    for stage in stages:
+        log = runs.training_log(stage)
+        if log.is_file():
+            try:
+                written += plot_run(log, out / "plots" / stage)
+            except OlmoflowError:  # a log without numbers to draw: nothing to show
+                continue
+    return written
 
 
 def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunDir,
                   training_stage: str, checkpoint: Path, tokenizer_dir: Path, eval_report: Path,
                   data_manifest: dict[str, Any], data_summary: dict[str, Any],
                   config_yaml: str, eval_dir: Path | None = None,
-                  posttraining: list[dict[str, Any]] | None = None) -> StageResult:
+                  posttraining: list[dict[str, Any]] | None = None,
+                  stage_tokenizers: dict[str, tuple[Any, Path]] | None = None) -> StageResult:
     """Write the release bundle of ``model`` into ``out``.
 
     Args:
@@ -104,12 +100,18 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
         posttraining: the post-training stages the model went through, in order: dicts with
             ``stage``, ``base``, ``steps``, ``final_loss``, ``data`` and ``log_path`` (their
             training log, copied as ``posttrain/<stage>/training_log.jsonl``).
+        stage_tokenizers: ``{training stage: (tokenizer, its directory)}`` of every training stage
+            whose kept checkpoints the bundle carries (:mod:`olmoflow.release.checkpoints`), in
+            flow order; default: ``training_stage`` alone with ``tokenizer``.
     Returns:
         The stage result: the files read, the files written, ``files`` and ``checkpoint`` counts.
     Raises:
         OlmoflowError: the training log or the evaluation report is missing or unreadable.
     """
     from olmoflow.model.hf import save_hf_dir
+    from olmoflow.release.checkpoints import checkpoints_table, release_checkpoints
+    from olmoflow.release.environment import dockerfile, environment_record, requirements_lock
+    from olmoflow.release.verify import write_file_index
     from olmoflow.tokenizer import copy_tokenizer_files
 
     log = runs.training_log(training_stage)
@@ -133,10 +135,21 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
         atomic_write_bytes(out / "eval" / src.name, src.read_bytes())
     scores = final_task_scores(eval_dir / "results.jsonl")
     atomic_write_json(out / "data_manifest.json", data_manifest)
-    atomic_write_text(out / "checkpoints.csv", checkpoints_csv(runs, training_stage))
+    stage_tokenizers = stage_tokenizers or {training_stage: (tokenizer, tokenizer_dir)}
+    stages = list(stage_tokenizers)
+    kept = release_checkpoints(runs, stage_tokenizers, out, include=cfg.include_checkpoints)
+    atomic_write_text(out / "checkpoints.csv", checkpoints_table(kept))
+    files += [f for e in kept if e.path.startswith("checkpoints/")
+              for f in sorted((out / e.path).rglob("*")) if f.is_file()]
+    plots = _plots(runs, stages, out) if cfg.plots else []
+    files += plots
     env = {**environment(), "olmoflow_git_commit": git_commit() or "unknown",
            "checkpoint": checkpoint.name}
     atomic_write_text(out / "environment.txt", "".join(f"{k}: {v}\n" for k, v in env.items()))
+    record = environment_record()
+    atomic_write_json(out / "environment.json", record)
+    atomic_write_text(out / "requirements.lock", requirements_lock(record["packages"]))
+    atomic_write_text(out / "Dockerfile", dockerfile(record))
     atomic_write_text(out / "config.yaml", config_yaml)
     post = []
     post_logs: list[Path] = []
@@ -153,9 +166,15 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
     atomic_write_text(out / "README.md", model_card(
         cfg, model, report=report, data=data_summary, release_dir=out, scores=scores,
         heatmap="eval/heatmap.png" if (out / "eval" / "heatmap.png").is_file() else None,
-        posttraining=post))
+        posttraining=post, checkpoints=kept, environment=record,
+        weights_bytes=(out / "model.safetensors").stat().st_size))
     files += [out / n for n in ("training_log.jsonl", "eval/report.json", "data_manifest.json",
-                                "checkpoints.csv", "environment.txt", "config.yaml", "README.md")]
+                                "checkpoints.csv", "environment.txt", "environment.json",
+                                "requirements.lock", "Dockerfile", "config.yaml", "README.md")]
     files += [out / "eval" / src.name for src in copied]
-    return StageResult(inputs=[log, eval_report, *copied, *post_logs], outputs=files,
+    files.append(write_file_index(out, files))  # last: the hashes of everything above
+    from olmoflow.artifacts import data_files
+
+    read = [f for e in kept for f in data_files(e.source)]
+    return StageResult(inputs=[log, eval_report, *copied, *post_logs, *read], outputs=files,
                        counts={"files": len(files), "checkpoint": checkpoint.name})

@@ -33,7 +33,9 @@ def scores_section(scores: list[dict[str, Any]], heatmap: str | None) -> str:
 def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[str, Any],
                release_dir: Path, scores: list[dict[str, Any]] | None = None,
                heatmap: str | None = None,
-               posttraining: list[dict[str, Any]] | None = None) -> str:
+               posttraining: list[dict[str, Any]] | None = None,
+               checkpoints: list[Any] | None = None, weights_bytes: int | None = None,
+               environment: dict[str, Any] | None = None) -> str:
     """The model card's Markdown: front matter (license, tags), the model's shape, its training
     data, its held-out evaluation, its downstream scores (with the heatmap) and how to load it.
 
@@ -49,6 +51,10 @@ def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[
         posttraining: one entry per post-training stage the model went through, in order
             (``stage``, ``base``, ``steps``, ``final_loss``, ``data``, ``log``); none: a base
             model.
+        checkpoints: the intermediate checkpoints
+            (:class:`~olmoflow.release.checkpoints.CheckpointEntry`), with ``weights_bytes`` (the
+            final ``model.safetensors``) for the sizes; none: no section.
+        environment: the ``environment.json`` record; none: no section.
     """
     mc = model.config
     arch = "OLMo 3" if mc.sliding_window else "OLMo 2"
@@ -94,7 +100,8 @@ and {data.get('heldout_tokens', '?')} held-out tokens.
 | perplexity | {report.get('perplexity', nan):.2f} |
 | bits per byte | {report.get('bpb', nan):.4f} |
 
-{scores_section(scores or [], heatmap)}{posttraining_section(posttraining or [], release_dir)}## Use
+{scores_section(scores or [], heatmap)}{posttraining_section(posttraining or [], release_dir)}\
+{checkpoints_section(checkpoints or [], weights_bytes)}{environment_section(environment)}## Use
 
 ```python
 from olmoflow import Olmo, Tokenizer
@@ -105,6 +112,73 @@ print(tokenizer.decode(model.generate(inputs.input_ids, max_length=50)[0]))
 ```
 
 The directory also loads in `transformers` (`AutoModelForCausalLM`, `AutoTokenizer`).
+
+## Verify
+
+`olmoflow verify {release_dir}` re-hashes every file against `files.json` (written last) and
+follows `data_manifest.json` back to the raw sources that still exist; a changed, missing or
+added file is named and the exit status is 1.
+"""
+
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def checkpoints_section(entries: list[Any], weights_bytes: int | None) -> str:
+    """The card's checkpoints section: each kept checkpoint's stage, step, tokens, loss, where it
+    is, and its size as trained (weights, optimizer moments, trainer state) next to the exported
+    weights, with how many times the weights a training checkpoint is."""
+    if not entries:
+        return ""
+    rows = "".join(f"| {e.stage} | {e.step} | {e.tokens:,} | {e.loss or '-'} | `{e.path}` | "
+                   f"{_size(e.checkpoint_bytes)} | {_size(e.export_bytes)} |\n" for e in entries)
+    ratio = ""
+    sizes = [e.checkpoint_bytes for e in entries if e.checkpoint_bytes]
+    if sizes and weights_bytes:
+        mean = sum(sizes) // len(sizes)
+        ratio = (f"A training checkpoint is {mean / weights_bytes:.1f}x the weights "
+                 f"({_size(mean)} against {_size(weights_bytes)}): it also holds the optimizer's "
+                 "two moments per parameter and the trainer state, which exact resume needs.")
+    exported = any(e.path.startswith("checkpoints/") for e in entries)
+    where = ("Each is exported in Hugging Face layout under `checkpoints/<name>/` and loads on "
+             "its own." if exported else "They are referenced in the run directory by path and "
+             "the sha256 of their `checksums.json` (`release.include_checkpoints=false`).")
+    return f"""## Intermediate checkpoints
+
+Every checkpoint the training stages kept, named as OLMo names its revisions; `checkpoints.csv`
+lists them with the sha256 of each file. {where}
+
+| stage | step | tokens | loss | path | as trained | exported |
+|---|---|---|---|---|---|---|
+{rows}
+{ratio}
+
+"""
+
+
+def environment_section(record: dict[str, Any] | None) -> str:
+    """The card's environment section: Python, torch, the machine, the olmoflow commit, and the
+    files that rebuild the environment."""
+    if not record:
+        return ""
+    m = record.get("machine", {})
+    gpu = m.get("gpu") or "none (CPU)"
+    commit = record.get("git_commit") or "unknown"
+    dirty = " (with uncommitted changes)" if record.get("git_dirty") else ""
+    return f"""## Environment
+
+Python {m.get('python', '?')}, torch {m.get('torch', '?')} on {m.get('cpu', '?')}
+({m.get('cpu_count', '?')} cores), GPU: {gpu}; olmoflow at commit `{commit}`{dirty};
+{len(record.get('packages', {}))} Python packages, all in `environment.json`.
+`requirements.lock` pins them and `Dockerfile` rebuilds the environment.
+
 """
 
 

@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 @dataclass
 class ReleaseConfig:
-    """The release bundle's name and license, shown in the model card."""
+    """The release bundle's name and license (shown in the model card), and whether the
+    intermediate checkpoints travel inside it.
+
+    Attributes:
+        include_checkpoints: export every kept checkpoint of every training stage in Hugging Face
+            layout to ``checkpoints/<name>/``; false: reference each by its path in the run and
+            the sha256 of its ``checksums.json`` (a much smaller bundle).
+        plots: draw each training stage's log into ``plots/<stage>/`` (``olmoflow plot``).
+    """
 
     name: str = "olmoflow-model"
     license: str = "apache-2.0"
+    include_checkpoints: bool = True
+    plots: bool = True

@@ -183,16 +183,24 @@ def final_tokenizer_dir(cfg: RunConfig, stage: str | None = None) -> Path:
     return tokenizer_dir(cfg) if stage == "pretrain" else stage_dir(cfg, stage) / "tokenizer"
 
 
+def stage_tokenizer(cfg: RunConfig, stage: str):
+    """The tokenizer of training stage ``stage``'s model (:func:`final_tokenizer_dir`), loaded
+    with the run's ``tokenizer.implementation``."""
+    from olmoflow.tokenizer import tokenizer_class
+
+    if stage == "pretrain":
+        return load_tokenizer(cfg)
+    return tokenizer_class(cfg.tokenizer.implementation).load(final_tokenizer_dir(cfg, stage))
+
+
 def load_trained_model(cfg: RunConfig, stage: str | None = None):
     """The model at the final checkpoint (``latest``) of training stage ``stage`` (default: the
     run's last enabled one, :func:`final_model_stage`), with that stage's tokenizer;
     ``(model, tokenizer, path)``."""
     from olmoflow.release.export import load_step_model
-    from olmoflow.tokenizer import tokenizer_class
     from olmoflow.train.checkpoint import resolve_checkpoint
 
     stage = stage or final_model_stage(cfg)
-    tok = (load_tokenizer(cfg) if stage == "pretrain" else
-           tokenizer_class(cfg.tokenizer.implementation).load(final_tokenizer_dir(cfg, stage)))
+    tok = stage_tokenizer(cfg, stage)
     path = resolve_checkpoint(stage_dir(cfg, stage), "latest")
     return load_step_model(path, tok.vocab_size), tok, path

@@ -21,6 +21,7 @@ from olmoflow.pipeline.stages.common import (
     need,
     stage_dir,
     stage_enabled,
+    stage_tokenizer,
     token_dirs,
 )
 from olmoflow.pipeline.stages.eval import REPORT
@@ -119,12 +120,15 @@ def run_release(cfg: RunConfig, progress: bool) -> StageResult:
 
     model, tok, ckpt = load_trained_model(cfg)
     manifest = data_manifest(cfg)
+    posttraining = posttraining_entries(cfg)
     result = build_release(
         cfg.release, model, tok, stage_dir(cfg, "release"), runs=RunDir(cfg.run_dir),
         training_stage="pretrain", checkpoint=ckpt, tokenizer_dir=final_tokenizer_dir(cfg),
         eval_report=need(cfg, "evaluate", REPORT), data_manifest=manifest,
         data_summary=data_summary(cfg, manifest), config_yaml=dump_config(cfg),
-        posttraining=posttraining_entries(cfg))
+        posttraining=posttraining, stage_tokenizers={
+            stage: (stage_tokenizer(cfg, stage), final_tokenizer_dir(cfg, stage))
+            for stage in ["pretrain", *(p["stage"] for p in posttraining)]})
     result.inputs = model_inputs(cfg, ckpt) + result.inputs
     return result
 
