@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean-runs
+.PHONY: demo test bench clean-runs browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/olmoflow run demo
 
-test: $(STAMP)
+# Debian's chromium, for the chat page test (tests/serve/test_web_page.py drives it headless);
+# where it cannot be installed (not root, no apt) that one test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && { apt-get install -y -qq chromium >/dev/null 2>&1 \
+	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
+	  || echo "note: chromium is not installed; the chat page test will be skipped"
+
+test: $(STAMP) browser
 	$(BIN)/pytest -q
 
 bench: $(STAMP)

@@ -13,6 +13,7 @@ Side by side in one process on CPU (same threads, same inputs, same weights):
   no FLOPs) and ctx is the sequence length, capped at the window on sliding-window layers.
 
 Usage:  python benchmarks/model_speed.py [--model runs/demo/release] [--repeats 3] [--threads N]
+        [--parts train,prefill,decode]
 
 Weights: ``--model`` (a Hugging Face directory, default ``runs/demo/release`` when present), else a
 randomly initialised demo shape (vocab 8192, d_model 256, 4 layers, 4 heads, MLP 768, window 128).
@@ -89,7 +90,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--parts", default="train,prefill,decode",
+                    help="comma-separated subset of train,prefill,decode to measure")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"train", "prefill", "decode"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'train', 'prefill', 'decode'})}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
@@ -126,15 +132,16 @@ def main() -> None:
     ids = torch.randint(0, V, (8, 256))
     with torch.no_grad():
         t_o, t_t = float("inf"), float("inf")
-        for _ in range(2):  # alternated, as below
+        for _ in range(2 if "prefill" in parts else 0):  # alternated, as below
             t_o = min(t_o, best_time(lambda: ours(ids), R))
             t_t = min(t_t, best_time(lambda: theirs(input_ids=ids, use_cache=False), R))
-    rows.append(("prefill b8x256 (tok/s)", ids.numel() / t_o, ids.numel() / t_t, ""))
+    if "prefill" in parts:
+        rows.append(("prefill b8x256 (tok/s)", ids.numel() / t_o, ids.numel() / t_t, ""))
 
     # --- decode ---------------------------------------------------------------------------------
     n_new = args.new_tokens
     same = {}
-    for b in (1, 8):
+    for b in (1, 8) if "decode" in parts else ():
         prompt = torch.randint(0, V, (b, 32))
         mask = torch.ones_like(prompt)
         out_o, out_t = {}, {}
@@ -170,34 +177,37 @@ def main() -> None:
             rows.append((f"decode b1 x{n_new} compiled (new tok/s)", n_new / t_c, n_new / t_t, ""))
 
     # --- train step (last: it changes the weights; each side trains its own copy) --------------
-    ids = torch.randint(0, V, (16, 256))
-    labels = torch.randint(0, V, (16, 256))
-    # Alternate the two sides (o, t, o, t) and keep each one's best: on a shared machine the load
-    # drifts, and timing one side entirely before the other would hand the drift to one of them.
-    step_o = train_step_fn(copy.deepcopy(ours), ids, labels, hf=False)
-    step_t = train_step_fn(copy.deepcopy(theirs), ids, labels, hf=True)
-    t_o, t_t = float("inf"), float("inf")
-    for _ in range(2):
-        t_o = min(t_o, best_time(step_o, R))
-        t_t = min(t_t, best_time(step_t, R))
-    rows.insert(0, ("train step b16x256 (tok/s)", ids.numel() / t_o, ids.numel() / t_t, ""))
+    if "train" in parts:
+        ids = torch.randint(0, V, (16, 256))
+        labels = torch.randint(0, V, (16, 256))
+        # Alternate the two sides (o, t, o, t) and keep each one's best: on a shared machine the
+        # load drifts, and timing one side entirely before the other would hand the drift to one
+        # of them.
+        step_o = train_step_fn(copy.deepcopy(ours), ids, labels, hf=False)
+        step_t = train_step_fn(copy.deepcopy(theirs), ids, labels, hf=True)
+        t_o, t_t = float("inf"), float("inf")
+        for _ in range(2):
+            t_o = min(t_o, best_time(step_o, R))
+            t_t = min(t_t, best_time(step_t, R))
+        rows.insert(0, ("train step b16x256 (tok/s)", ids.numel() / t_o, ids.numel() / t_t, ""))
 
-    peak = matmul_peak()
-    fpt = train_flops_per_token(cfg, 256)
-    mfu_o = rows[0][1] * fpt / peak
-    mfu_t = rows[0][2] * fpt / peak
-    rows.insert(1, ("train MFU (% of matmul peak)", 100 * mfu_o, 100 * mfu_t, "%"))
-
-    print(f"\nmatmul peak (fp32 2048^3 torch.mm): {peak / 1e9:.1f} GFLOP/s; train FLOPs/token "
-          f"{fpt / 1e6:.1f} M (6N + attention)")
-    print(f"greedy decode: same tokens as transformers: b1 {same[1]:.0%}, b8 {same[8]:.0%}\n")
+        peak = matmul_peak()
+        fpt = train_flops_per_token(cfg, 256)
+        mfu_o = rows[0][1] * fpt / peak
+        mfu_t = rows[0][2] * fpt / peak
+        rows.insert(1, ("train MFU (% of matmul peak)", 100 * mfu_o, 100 * mfu_t, "%"))
+        print(f"\nmatmul peak (fp32 2048^3 torch.mm): {peak / 1e9:.1f} GFLOP/s; train FLOPs/token "
+              f"{fpt / 1e6:.1f} M (6N + attention)")
+    if same:
+        print(f"greedy decode: same tokens as transformers: b1 {same[1]:.0%}, b8 {same[8]:.0%}\n")
     w = max(len(r[0]) for r in rows)
     print(f"| {'metric':<{w}} | {'ours':>10} | {'transformers':>12} | {'ratio':>6} |")
     print(f"|{'-' * (w + 2)}|{'-' * 12}|{'-' * 14}|{'-' * 8}|")
     for name, o, t, _ in rows:
         print(f"| {name:<{w}} | {o:>10.1f} | {t:>12.1f} | {o / t:>6.2f} |")
-    head = next(r for r in rows if r[0].startswith("decode b1"))
-    print(f"\nratio (ours/transformers) decode b1 = {head[1] / head[2]:.2f}")
+    head = next((r for r in rows if r[0].startswith("decode b1")), None)
+    if head is not None:
+        print(f"\nratio (ours/transformers) decode b1 = {head[1] / head[2]:.2f}")
     tmp.cleanup()
 
 

@@ -22,6 +22,7 @@ Tool verbs take no run config:
     olmoflow diagnose CHECKPOINT [--reinit OUT]    check weights for NaN/Inf, outliers, dead layers
     olmoflow data-order RUN --step N               the documents of step N's training batch
     olmoflow reproduce RUN --from CKPT --steps K   replay K steps and compare with the log exactly
+    olmoflow verify DIR                            re-hash a release back to its raw sources
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -162,6 +163,12 @@ def _tool_parsers(sub) -> None:
                        help="change a setting of the replay (to see where it diverges)")
     repro.set_defaults(tool=_reproduce)
 
+    verify = sub.add_parser("verify", help="re-hash every file of a release and follow its data "
+                            "manifests to the raw sources; exit 1 on a changed, missing or added "
+                            "file")
+    verify.add_argument("release", metavar="DIR", help="a release directory (runs/NAME/release)")
+    verify.set_defaults(tool=_verify)
+
     from olmoflow.data.commands import add_data_parser
     from olmoflow.eval.cli import add_eval_parser
     from olmoflow.infer.chat import add_chat_parser
@@ -174,7 +181,7 @@ def _tool_parsers(sub) -> None:
 
 
 TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "serve", "merge-lora",
-              "diagnose", "data-order", "reproduce")
+              "diagnose", "data-order", "reproduce", "verify")
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -187,8 +194,8 @@ def _data_order(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    from olmoflow.data.order import format_spans, spans_json, step_documents
     from olmoflow.pipeline.config import load_config
+    from olmoflow.pipeline.data_order import format_spans, spans_json, step_documents
     from olmoflow.run_dir import RunDir
 
     run = Path(args.run)
@@ -207,11 +214,19 @@ def _data_order(args: argparse.Namespace) -> None:
 
 
 def _reproduce(args: argparse.Namespace) -> int:
-    from olmoflow.release.reproduce import describe, reproduce
+    from olmoflow.pipeline.reproduce import describe, reproduce
 
     replay = reproduce(args.run, args.checkpoint, args.steps, args.overrides)
     print(describe(replay))
     return 0 if replay.exact else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from olmoflow.release.verify import describe, verify_release
+
+    report = verify_release(args.release)
+    print(describe(report))
+    return 0 if report.ok else 1
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -11,9 +11,9 @@ import pytest
 
 from olmoflow.cli import main
 from olmoflow.data.loader import DataLoader, build_dataset, index_path
-from olmoflow.data.order import step_documents
 from olmoflow.data.tokenize import read_index, read_token_array
 from olmoflow.pipeline.config import load_config
+from olmoflow.pipeline.data_order import step_documents
 from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.pipeline.stages.common import load_tokenizer, token_split
 

@@ -7,8 +7,8 @@ import pytest
 
 from olmoflow.cli import main
 from olmoflow.pipeline.config import load_config
+from olmoflow.pipeline.reproduce import reproduce
 from olmoflow.pipeline.runner import run_pipeline
-from olmoflow.release.reproduce import reproduce
 
 STEPS = 12
 TRAIN = [f"train.max_steps={STEPS}", "train.num_threads=1", "train.sequence_length=32",

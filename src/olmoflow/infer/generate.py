@@ -9,9 +9,11 @@ The repetition penalty follows Keskar et al. 2019 (CTRL) as in ``transformers``'
 ``RepetitionPenaltyLogitsProcessor``. Stop strings keep the stop string in the output, as
 ``transformers``' ``stop_strings`` does.
 
-The decode loop is kept lean for batch-1 latency: it runs under ``torch.inference_mode``, writes
-tokens into one preallocated ``[B, T + n]`` tensor, and passes no attention mask at all when there
-is no padding (no per-step mask concatenation, no cumulative-sum positions).
+The decode loop is kept lean for batch-1 latency: it runs under ``torch.inference_mode`` (so the
+model takes its inference path, see :meth:`olmoflow.model.olmo.Olmo.forward`), writes tokens into
+one preallocated ``[B, T + n]`` tensor, and passes an attention mask to the prefill only, and only
+when the prompts are padded (the KV cache remembers the pads: no per-step mask, no cumulative-sum
+positions).
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def sample_next(
 ) -> torch.Tensor:
     """Pick the next token for each row. ``logits [B, V]`` -> ``[B]`` (long)."""
     if not do_sample or temperature == 0:
-        return logits.argmax(-1)
+        # max(dim).indices is argmax (the first maximal index too) at about two thirds of its
+        # cost on CPU for a [B, V] batch
+        return logits.max(-1).indices
     logits = top_k_top_p_filter(logits.float() / temperature, top_k, top_p)
     return sample_categorical(logits.softmax(-1), generator)
 
@@ -204,12 +208,11 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
     B, T = input_ids.shape
     device = input_ids.device
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    # One mask for the whole run, sliced per step (a view: no per-step concatenation); None when
-    # nothing is padded, which lets the model skip positions-from-mask and padding masks.
-    full_mask = None
+    # The prompt's mask goes to the prefill only (the cache keeps it); None when nothing is
+    # padded, which lets the model skip positions-from-mask and padding masks altogether.
+    prompt_mask = None
     if attention_mask is not None and not bool(attention_mask.all()):
-        full_mask = torch.ones(B, T + n_new, dtype=torch.bool, device=device)
-        full_mask[:, :T] = attention_mask.bool()
+        prompt_mask = attention_mask.bool()
     stop_window = max((len(s.encode()) for s in stops), default=0) + 2  # tokens; each >= 1 byte
     generated: list[list[int]] = [[] for _ in range(B)]
     check_done = eos_token_id is not None or bool(stops)
@@ -225,8 +228,7 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
         if nxt is None:
             cache = (model.new_cache(B, T + n_new, static=True) if compiled is not None
                      else model.new_cache(B, T + n_new))
-            mask = full_mask[:, :T] if full_mask is not None else None
-            logits = model(input_ids, attention_mask=mask, cache=cache,
+            logits = model(input_ids, attention_mask=prompt_mask, cache=cache,
                            last_logits_only=True).logits[:, -1]
             if penalty != 1.0:
                 real = (attention_mask if attention_mask is not None
@@ -236,12 +238,12 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
         else:
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
-            mask = full_mask[:, : T + i] if full_mask is not None else None
+            # No mask after the prefill: the cache remembers the pads (new tokens are real), so a
+            # step builds no positions-from-mask and no per-step mask copy.
             if compiled is not None:  # static cache: same shapes every step, one compiled graph
                 logits = compiled(nxt[:, None], cache=cache, last_logits_only=True).logits[:, -1]
             else:
-                logits = model(nxt[:, None], attention_mask=mask, cache=cache,
-                               last_logits_only=True).logits[:, -1]
+                logits = model(nxt[:, None], cache=cache, last_logits_only=True).logits[:, -1]
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits[:, vocab_size:] = float("-inf")
         if seen is not None:
@@ -273,8 +275,38 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
         model.train(was_training)
 
 
+# Batch sizes a long-running caller pads its compiled decode steps to (see decode_bucket).
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def decode_bucket(rows: int, buckets: Sequence[int] = DECODE_BUCKETS) -> int:
+    """The batch size a compiled decode step over ``rows`` live sequences should run at: the
+    smallest of ``buckets`` that holds them.
+
+    ``compile=True`` compiles with ``dynamic=False``: one graph per input shape, that is per
+    (batch size, static cache length). A long-running server that batches a changing number of
+    sequences therefore keeps one static cache per bucket (``model.new_cache(decode_bucket(n),
+    max_context, static=True)``, the same ``max_context`` always), puts its ``n`` real rows
+    first and fills the other rows with any token id (their keys and logits are never read), and
+    drops those rows' logits: it compiles once per bucket, the first time the bucket is used
+    (vLLM pads its CUDA-graph batch sizes the same way). ``torch.compile`` keeps at most
+    ``torch._dynamo.config.recompile_limit`` graphs (8 by default) per compiled function before
+    falling back to eager, so the buckets times the cache lengths used should stay below it.
+
+    Raises:
+        ValueError: ``rows < 1`` or more rows than the largest bucket.
+    """
+    if rows < 1:
+        raise ValueError(f"decode_bucket needs at least one row, got {rows}")
+    for b in sorted(buckets):
+        if b >= rows:
+            return b
+    raise ValueError(f"{rows} rows exceed the largest decode bucket {max(buckets)}")
+
+
 def _compiled_decoder(model, compile: bool | str):
-    """``torch.compile(model)`` for decode steps, cached on the model per backend; None when off."""
+    """``torch.compile(model)`` for decode steps, cached on the model per backend (one compiled
+    wrapper: new shapes add graphs to it, see :func:`decode_bucket`); None when off."""
     if not compile:
         return None
     backend = "inductor" if compile is True else str(compile)
@@ -360,7 +392,8 @@ def generate(
         seed: seeds a private generator so sampling is reproducible.
         compile: decode with ``torch.compile(model)`` over a static-shape KV cache (True: the
             inductor backend; a string names another backend). The first call compiles (seconds);
-            later calls with the same batch size and length reuse the graph. Prefill stays eager.
+            later calls with the same batch size and length reuse the graph (a server pads to
+            a few batch sizes: :func:`decode_bucket`). Prefill stays eager.
         vocab_size: never emit ids at or above it. The embedding is padded past the tokenizer's
             vocabulary (to a multiple of 128, as OLMo does); those rows are never trained, so a
             barely trained model can pick them. Defaults to the vocabulary of ``tokenizer``.

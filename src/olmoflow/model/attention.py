@@ -29,12 +29,19 @@ import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from olmoflow.model.layers import RMSNorm, apply_rotary
+from olmoflow.model.layers import (
+    RMSNorm,
+    apply_rotary,
+    apply_rotary_rolled,
+    fused_weight,
+    inference_rms_norm,
+)
 
 
 class KVCache:
@@ -51,8 +58,10 @@ class KVCache:
 
     ``key_padding`` ``[B, max_length]`` (bool, True = real token) masks left pads; ``n_pad`` ``[B]``
     counts each row's pads so that later tokens get RoPE positions ``slot - n_pad`` without an
-    attention mask. Sliding-window layers keep the full history too and mask by distance, which
-    keeps the layout uniform; memory is ``2 * n_layers * B * max_length * n_kv_heads * head_dim``.
+    attention mask; ``padded`` (a Python bool) says whether any pad was written, so that a decode
+    step without pads builds no mask and reads no device value. Sliding-window layers keep the
+    full history too and mask by distance, which keeps the layout uniform; memory is
+    ``2 * n_layers * B * max_length * n_kv_heads * head_dim``.
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_length: int, head_dim: int,
@@ -65,6 +74,7 @@ class KVCache:
         self.max_length = max_length
         self.static = static
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # static mode only
+        self.padded = False
         self._length = 0
 
     @property
@@ -409,6 +419,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     return b.fn(q, k, v, mask, dropout_p)
 
 
+class AttentionWeights(NamedTuple):
+    """:meth:`Attention.inference_forward`'s derived weights (see
+    :func:`~olmoflow.model.layers.fused_weight`); None: use the module itself.
+
+    ``qkv [d_model, (H + 2 H_kv) hd]``, ``qk_norm [2, H, hd]`` (the q and k norm weights stacked,
+    when ``H == H_kv`` and the two norms share their epsilon), ``out [H hd, d_model]``;
+    ``q_norm``, ``k_norm`` are the norm weights themselves and ``q_eps``, ``k_eps`` their
+    epsilons (read once here, not every step through the modules)."""
+
+    qkv: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    out: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    q_eps: float
+    k_eps: float
+
+
 class Attention(nn.Module):
     """OLMo 2/3 self-attention. ``[B, T, d_model] -> [B, T, d_model]``.
 
@@ -432,13 +460,18 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layer: int = 0,
         cache: KVCache | None = None, mask: AttentionMask | None = None,
-        cache_position: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None, inference: AttentionWeights | None = None,
     ) -> torch.Tensor:
         """Attend ``x [B, T, d_model]``; ``cos/sin [B|1, T, head_dim]`` are the RoPE tables.
 
         ``mask`` is the rule for this layer's window (None: plain causal over the keys read);
-        ``cache_position [T]`` (long) selects the static-cache write slots.
+        ``cache_position [T]`` (long) selects the static-cache write slots. ``inference`` (this
+        module's :meth:`inference_weights`) takes the no-grad KV-cache path,
+        :meth:`inference_forward`, whose RoPE tables come in its own form.
         """
+        if inference is not None:
+            return self.inference_forward(x, cos, sin, inference, layer=layer, cache=cache,
+                                          mask=mask, cache_position=cache_position)
         B, T, _ = x.shape
         q = self.q_norm(self.w_q(x)).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.w_k(x)).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -450,3 +483,72 @@ class Attention(nn.Module):
             mask = AttentionMask.causal(T, k.shape[2], x.device, self.window)
         y = attend(q, k, v, mask, self.backend, self.dropout if self.training else 0.0)
         return self.w_out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def inference_weights(self) -> AttentionWeights:
+        """The fused copies :meth:`inference_forward` multiplies by (built by the caller once
+        and kept while the parameters do not change: ``Olmo`` keeps them with
+        :func:`~olmoflow.model.layers.derived_weights`)."""
+        qn, kn = self.q_norm, self.k_norm
+        stack = (self.n_heads == self.n_kv_heads and qn.eps == kn.eps
+                 and qn.weight.dtype == kn.weight.dtype == torch.float32)
+        qk = (torch.stack((qn.weight.detach(), kn.weight.detach())).view(
+            2, self.n_heads, self.head_dim) if stack else None)
+        return AttentionWeights(fused_weight((self.w_q, self.w_k, self.w_v)), qk,
+                                fused_weight((self.w_out,)), qn.weight, kn.weight, qn.eps,
+                                kn.eps)
+
+    def inference_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor,
+        weights: AttentionWeights, *, layer: int = 0,
+        cache: KVCache | None = None, mask: AttentionMask | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` in fewer, larger kernels, for no-grad decoding (not differentiable;
+        the training forward keeps its own numerics). ``cos``, ``sin_rolled``: ``[B|1, T, 1,
+        head_dim]`` (:meth:`~olmoflow.model.layers.RotaryEmbedding.inference_tables`).
+
+        One ``x @ W_qkv`` over the fused ``[d_model, (H + 2 H_kv) hd]`` copy of the three
+        projections (``weights``, :meth:`inference_weights`); in fp32 with as many key
+        as query heads, one RMSNorm call and one RoPE call (:func:`apply_rotary_rolled`) serve q
+        and k together. A decode step (``T == 1``) without a mask reads the last ``window`` keys
+        instead of masking the others (the same keys: a query sees its ``window`` latest
+        positions) and calls SDPA without a mask; other calls go through :func:`attend` as
+        :meth:`forward` does. Equal to :meth:`forward` within fp32 rounding (other matmul shapes
+        sum in another order). Shapes as :meth:`forward`.
+        """
+        B, T, _ = x.shape
+        H, H_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        w_qkv, w_qk, w_out, g_q, g_k, q_eps, k_eps = weights
+        if (w_qkv is not None and w_qk is not None and w_qkv.dtype == torch.float32
+                and x.dtype == torch.float32):
+            qkv = torch.matmul(x, w_qkv).view(B, T, 3, H, hd)
+            # One norm call normalises q and k, each over its full width, then scales by the
+            # stacked weights.
+            qk = inference_rms_norm(qkv[:, :, :2], w_qk, q_eps, dims=2)
+            qk = apply_rotary_rolled(qk.view(B, T, 2 * H, hd), cos, sin_rolled)
+            q, k = qk.transpose(1, 2).split(H, 1)
+            v = qkv[:, :, 2].transpose(1, 2)
+        else:
+            if w_qkv is None:  # wrapped (LoRA) or quantized projections: their own modules
+                q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
+            else:
+                q, k, v = torch.matmul(x, w_qkv).split((H * hd, H_kv * hd, H_kv * hd), -1)
+            q = inference_rms_norm(q, g_q, q_eps).view(B, T, H, hd)
+            k = inference_rms_norm(k, g_k, k_eps).view(B, T, H_kv, hd)
+            q = apply_rotary_rolled(q, cos, sin_rolled).transpose(1, 2)
+            k = apply_rotary_rolled(k, cos, sin_rolled).transpose(1, 2)
+            v = v.view(B, T, H_kv, hd).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(layer, k, v, cache_position)
+        if mask is None and T == 1 and self.backend == "sdpa":
+            L = k.shape[2]
+            if self.window is not None and L > self.window:
+                k, v = k.narrow(2, L - self.window, self.window), v.narrow(2, L - self.window,
+                                                                           self.window)
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != H_kv)
+        else:
+            if mask is None:
+                mask = AttentionMask.causal(T, k.shape[2], x.device, self.window)
+            y = attend(q, k, v, mask, self.backend)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)
+        return self.w_out(y) if w_out is None else torch.matmul(y, w_out)

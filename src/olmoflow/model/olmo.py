@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +19,41 @@ import torch.utils.checkpoint
 from torch import nn
 
 from olmoflow.errors import OlmoflowError
-from olmoflow.model.attention import Attention, AttentionMask, KVCache
+from olmoflow.model.attention import Attention, AttentionMask, AttentionWeights, KVCache
 from olmoflow.model.config import ModelConfig
-from olmoflow.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from olmoflow.model.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    clear_inference_weights,
+    derived_weights,
+    fused_weight,
+    inference_rms_norm,
+)
 
 IGNORE_INDEX = -100
+
+
+class BlockWeights(NamedTuple):
+    """One block's part of :class:`InferenceWeights`: the attention's
+    (:meth:`Attention.inference_weights`) and the MLP's (:meth:`SwiGLU.inference_weights`)
+    derived weights, and the two block norms' weights (the parameters) and epsilons."""
+
+    attention: AttentionWeights
+    mlp: tuple[torch.Tensor | None, torch.Tensor | None]
+    attention_norm: torch.Tensor
+    attention_eps: float
+    feed_forward_norm: torch.Tensor
+    feed_forward_eps: float
+
+
+@dataclass(frozen=True)
+class InferenceWeights:
+    """The derived weights of :meth:`Olmo.forward`'s inference path: one :class:`BlockWeights`
+    per block and the LM head's ``[d_model, vocab]`` (None: use the module itself)."""
+
+    blocks: tuple[BlockWeights, ...]
+    lm_head: torch.Tensor | None
 
 
 @dataclass
@@ -110,7 +141,18 @@ class Block(nn.Module):
         self.feed_forward_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin, cache=None, mask=None, cache_position=None):
+    def forward(self, x, cos, sin, cache=None, mask=None, cache_position=None, inference=None):
+        """``inference``: this block's :class:`BlockWeights` takes the no-grad KV-cache path
+        (:meth:`Attention.inference_forward`, :meth:`SwiGLU.inference`; RoPE tables in that
+        path's form), without dropout."""
+        if inference is not None:
+            a = self.attention.inference_forward(x, cos, sin, inference.attention,
+                                                 layer=self.layer, cache=cache, mask=mask,
+                                                 cache_position=cache_position)
+            w = inference
+            h = inference_rms_norm(a, w.attention_norm, w.attention_eps, residual=x)
+            m = self.feed_forward.inference(h, w.mlp)
+            return inference_rms_norm(m, w.feed_forward_norm, w.feed_forward_eps, residual=h)
         a = self.attention(x, cos, sin, layer=self.layer, cache=cache, mask=mask,
                            cache_position=cache_position)
         h = x + F.dropout(self.attention_norm(a), self.dropout, self.training)
@@ -134,6 +176,9 @@ class Olmo(nn.Module):
         # Recompute every n-th block (0, n, 2n, ...) in backward instead of storing its activations
         # (0: off). A training setting, not part of the architecture: the trainer sets it.
         self.activation_checkpointing = 0
+        # The cached no-grad forward (generate, serving) runs the inference path over derived
+        # weight copies (see forward); False runs the training forward's code there too.
+        self.fused_inference = True
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
@@ -164,6 +209,30 @@ class Olmo(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def inference_weights(self) -> InferenceWeights:
+        """The derived weights of the inference path (see :meth:`forward`), built on first use
+        and kept beside the model until a parameter or submodule changes
+        (:func:`~olmoflow.model.layers.derived_weights`) or :meth:`train` frees them. They cost
+        a copy of the block projections and the LM head (the model's memory about once more
+        on top of the embedding); :attr:`fused_inference` ``= False`` does without."""
+        return derived_weights(self, self._build_inference_weights)
+
+    def _build_inference_weights(self) -> InferenceWeights:
+        blocks = tuple(
+            BlockWeights(b.attention.inference_weights(), b.feed_forward.inference_weights(),
+                         b.attention_norm.weight, b.attention_norm.eps,
+                         b.feed_forward_norm.weight, b.feed_forward_norm.eps)
+            for b in self.blocks)
+        return InferenceWeights(blocks, fused_weight((self.lm_head,)))
+
+    def train(self, mode: bool = True) -> Olmo:
+        """:meth:`torch.nn.Module.train`; entering training also frees the inference path's
+        derived weights (:func:`~olmoflow.model.layers.clear_inference_weights`): they would be
+        stale after the first optimizer step, and training needs the memory."""
+        if mode:
+            clear_inference_weights(self)
+        return super().train(mode)
 
     def new_cache(self, batch: int, max_length: int, *, static: bool = False) -> KVCache:
         """An empty KV cache for ``batch`` rows of up to ``max_length`` positions.
@@ -199,7 +268,9 @@ class Olmo(nn.Module):
             doc_ids: ``[B, T]`` document number per position; tokens attend within their own
                 document only (intra-document masking for packed sequences). Full forwards only
                 (no cache, or a dynamic cache filled from empty).
-            cache: a :class:`KVCache` to read and extend (prefill or decode).
+            cache: a :class:`KVCache` to read and extend (prefill or decode), or a ragged
+                cache (``ragged = True``: :class:`olmoflow.serve.slots.SlotKVCache`, one
+                length per row) whose ``prepare`` gives the positions and masks.
             cache_position: static cache only: ``[T]`` long tensor of the slots this call writes;
                 default ``cache.position + arange(T)``. The static path never turns a tensor into
                 a Python number, so decode steps of the same shape reuse one compiled graph; omit
@@ -209,6 +280,16 @@ class Olmo(nn.Module):
             return_hidden: skip the LM head: ``.logits`` holds the final-norm hidden states
                 ``[B, T, d_model]``, for a caller that applies ``lm_head`` to the positions it
                 needs only (evaluation scores continuation tokens, not padding). No labels.
+
+        With a cache, in eval mode, without labels and without autograd (``torch.no_grad`` or
+        ``torch.inference_mode``; not while ``torch.compile`` traces) the forward takes the
+        inference path, unless :attr:`fused_inference` is False: fused QKV and gate/up matmuls
+        over transposed copies of the weights (:meth:`inference_weights`: built on first use,
+        rebuilt when a weight changes, freed by :meth:`train`, never in the state dict), one
+        norm and one RoPE call for q and k, fewer kernels per norm, RoPE tables sliced rather
+        than gathered, and, for a decode step over a cache without padding, no mask at all. It
+        equals the plain path within fp32 rounding; full forwards (training, evaluation,
+        losses) never take it, so their numbers do not move.
         Raises:
             ValueError: ``attention_mask`` does not cover the cached positions; ``doc_ids`` not
                 ``[B, T]`` or used while decoding; (dynamic cache) more than ``max_length``
@@ -216,40 +297,51 @@ class Olmo(nn.Module):
         """
         B, T = input_ids.shape
         dev = input_ids.device
+        inference = (cache is not None and self.fused_inference and not self.training
+                     and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                     and labels is None)
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)}")
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
-        if cache is not None and cache.static:
+        ragged = cache is not None and getattr(cache, "ragged", False)
+        if ragged:  # per-row lengths (serve.slots.SlotKVCache): the cache builds the masks
+            positions, masks = cache.prepare(T, self._windows(), dev)
+        elif cache is not None and cache.static:
             cache_position, positions, masks = self._static_inputs(T, cache, cache_position,
                                                                    attention_mask, doc_ids)
         else:
             if cache_position is not None:
                 raise ValueError("cache_position needs a static cache: "
                                  "model.new_cache(..., static=True)")
-            positions, masks = self._dynamic_inputs(T, cache, attention_mask, doc_ids, dev)
-        cos, sin = self.rope(positions)
-        if self.rope_full is self.rope:
-            cos_full, sin_full = cos, sin
-        else:
-            cos_full, sin_full = self.rope_full(positions)
+            positions, masks = self._dynamic_inputs(T, cache, attention_mask, doc_ids, dev,
+                                                    inference)
+        cos, sin, cos_full, sin_full = self._rope(positions, T, dev, inference)
 
         x = self.embeddings(input_ids)
         every = self.activation_checkpointing if self.training and torch.is_grad_enabled() else 0
+        weights = self.inference_weights() if inference else None
         for block in self.blocks:
             full = block.window is None
             args = (x, cos_full if full else cos, sin_full if full else sin, cache,
                     masks[block.window], cache_position)
-            if every and cache is None and block.layer % every == 0:
+            if weights is not None:
+                x = block(*args, weights.blocks[block.layer])
+            elif every and cache is None and block.layer % every == 0:
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
-        if cache is not None:
+        if ragged:
+            cache.advance(T)
+        elif cache is not None:
             if cache.static:
                 cache.position.copy_(cache_position[-1:] + 1)
             else:
                 cache.length = cache.length + T
+        if weights is not None:
+            return OlmoOutput(self._inference_head(x, weights.lm_head, last_logits_only,
+                                                   return_hidden))
         x = self.norm(x)
         if last_logits_only:
             x = x[:, -1:]
@@ -264,9 +356,37 @@ class Olmo(nn.Module):
     def _windows(self) -> set[int | None]:
         return {b.window for b in self.blocks}
 
-    def _dynamic_inputs(self, T, cache, attention_mask, doc_ids, dev):
+    def _inference_head(self, x, w_head, last_logits_only: bool, return_hidden: bool,
+                        ) -> torch.Tensor:
+        """The final norm and LM head of the inference path: ``[B, T, d]`` -> logits (or the
+        normed hidden states), the last position only first when asked (the norm is per
+        position, so slicing before it changes nothing)."""
+        if last_logits_only and x.shape[1] > 1:
+            x = x[:, -1:]
+        x = inference_rms_norm(x, self.norm.weight, self.norm.eps)
+        if return_hidden:
+            return x
+        return self.lm_head(x) if w_head is None else torch.matmul(x, w_head)
+
+    def _rope(self, positions, T: int, dev, inference: bool):
+        """``(cos, sin, cos_full, sin_full)`` for the sliding and the full-attention layers from
+        ``positions [B|1, T]``; on the inference path the tables of
+        :meth:`RotaryEmbedding.inference_tables` (``positions`` may then be an int ``start``)."""
+        if inference:
+            cos, sin = self.rope.inference_tables(positions, T, dev)
+            if self.rope_full is self.rope:
+                return cos, sin, cos, sin
+            return (cos, sin, *self.rope_full.inference_tables(positions, T, dev))
+        cos, sin = self.rope(positions)
+        if self.rope_full is self.rope:
+            return cos, sin, cos, sin
+        return (cos, sin, *self.rope_full(positions))
+
+    def _dynamic_inputs(self, T, cache, attention_mask, doc_ids, dev, inference=False):
         """RoPE positions ``[B|1, T]`` and one :class:`AttentionMask` per window, reading the
-        filled prefix of a dynamic cache (or no cache)."""
+        filled prefix of a dynamic cache (or no cache). On the inference path over a cache that
+        holds no padding: the int ``start`` and no masks (None: plain causal, see
+        :meth:`Attention.inference_forward`), without a tensor op or a device read."""
         start = cache.length if cache is not None else 0
         key_padding = None
         if attention_mask is not None:
@@ -279,6 +399,9 @@ class Olmo(nn.Module):
             if cache is not None:
                 cache.key_padding[:, : start + T] = attention_mask
                 cache.n_pad.copy_((~attention_mask).sum(-1))
+                cache.padded = cache.padded or not bool(attention_mask.all())
+        elif inference and not cache.padded and doc_ids is None:
+            return start, dict.fromkeys(self._windows())
         else:
             positions = torch.arange(start, start + T, device=dev)[None]
             if cache is not None:

@@ -1,0 +1,1 @@
+"""Serving: an OpenAI-compatible server over a continuous-batching engine."""
