@@ -214,12 +214,26 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     Raises:
         OlmoflowError: bad paths, unknown dtype, or a checkpoint that does not load.
     """
-    from olmoflow.tokenizer import Tokenizer
-
     if dtype is not None and dtype not in DTYPES:
         raise OlmoflowError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
     kind, src = resolve_source(checkpoint)
     out = check_output(out, kind, src, force)
+    model, tok, tok_dir = load_with_tokenizer(kind, src, tokenizer)
+    return write_model_dir(model, out, tok_dir, dtype=dtype, tok=tok, manifest={
+        "command": "olmoflow export hf", "source": str(src.resolve()), "source_kind": kind})
+
+
+def load_with_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None):
+    """``(model, tokenizer, tokenizer directory)`` of a source :func:`resolve_source` found: the
+    tokenizer from ``tokenizer`` or beside the model (:func:`find_tokenizer`), the model of a
+    step directory sized by it (:func:`load_step_model`) or a Hugging Face directory's.
+
+    Raises:
+        OlmoflowError: no tokenizer, weights that do not load, or a model vocabulary smaller than
+            the tokenizer's.
+    """
+    from olmoflow.tokenizer import Tokenizer
+
     tok_dir = find_tokenizer(kind, src, tokenizer)
     tok = Tokenizer.from_pretrained(tok_dir)
     if kind == "step":
@@ -231,9 +245,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     if model.config.vocab_size < tok.vocab_size:
         raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
                             f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
-
-    return write_model_dir(model, out, tok_dir, dtype=dtype, tok=tok, manifest={
-        "command": "olmoflow export hf", "source": str(src.resolve()), "source_kind": kind})
+    return model, tok, tok_dir
 
 
 def check_output(out: str | Path, kind: str, src: Path, force: bool) -> Path:

@@ -303,24 +303,13 @@ def export_gguf(source: str | Path, out: str | Path, *, dtype: str = "f16",
         OlmoflowError: an unknown dtype, bad paths, a checkpoint that does not load, a model
             vocabulary smaller than the tokenizer's, or what :func:`write_gguf` raises.
     """
-    from olmoflow.release.export import find_tokenizer, load_step_model, resolve_source
-    from olmoflow.tokenizer import Tokenizer
+    from olmoflow.release.export import load_with_tokenizer, resolve_source
 
     if dtype not in GGUF_DTYPES:
         raise OlmoflowError(f"unknown GGUF dtype '{dtype}'; valid: {', '.join(GGUF_DTYPES)}")
     _import_gguf()
     kind, src = resolve_source(source)
     out = check_output_file(out, kind, src, force)
-    tok_dir = find_tokenizer(kind, src, tokenizer)
-    tok = Tokenizer.from_pretrained(tok_dir)
-    if kind == "step":
-        model = load_step_model(src, tok.vocab_size)
-    else:
-        from olmoflow.model.olmo import Olmo
-
-        model = Olmo.from_pretrained(src)
-    if model.config.vocab_size < tok.vocab_size:
-        raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
-                            f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
+    model, tok, tok_dir = load_with_tokenizer(kind, src, tokenizer)
     name = src.parent.parent.name if kind == "step" else src.resolve().name
     return write_gguf(model, tok, tok_dir, out, dtype=dtype, name=name or "olmoflow")
