@@ -196,11 +196,10 @@ def _data_order(args: argparse.Namespace) -> None:
 
     from olmoflow.pipeline.config import load_config
     from olmoflow.pipeline.data_order import format_spans, spans_json, step_documents
-    from olmoflow.run_dir import RunDir
+    from olmoflow.run_dir import RunDir, require_run_dir
 
     run = Path(args.run)
-    if not RunDir(run).config.is_file():
-        raise OlmoflowError(f"'{run}' is not a run directory (no config.yaml in it)")
+    require_run_dir(run)
     if args.chars < 0:
         raise OlmoflowError(f"--chars must be >= 0, got {args.chars}")
     cfg = load_config(str(RunDir(run).config), values={"run_dir": str(run)})

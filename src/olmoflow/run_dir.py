@@ -204,6 +204,28 @@ def _holds_files(root: Path) -> bool:
     return False
 
 
+def require_run_dir(path: str | os.PathLike) -> RunDir:
+    """The run directory at ``path`` (one olmoflow made: its ``config.yaml`` and the
+    :data:`RUN_MARKER`).
+
+    Raises:
+        OlmoflowError: ``path`` is missing, a release (a copy of one), a stage directory, or
+            any other folder; the message says which and what to give instead.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise OlmoflowError(f"'{p}' is not a directory; give a run directory such as runs/demo")
+    if (p / RUN_MARKER).is_file() and (p / CONFIG_FILE).is_file():
+        return RunDir(p)
+    if (p / "files.json").is_file() or (p / "config.json").is_file():
+        raise OlmoflowError(f"'{p}' is a release or model directory, not a run directory; give "
+                            f"the run it came from (e.g. '{p.parent}')")
+    if RunDir.containing(p) is not None and p.name in STAGE_DIRS.values():
+        raise OlmoflowError(f"'{p}' is a stage directory; give its run directory '{p.parent}'")
+    raise OlmoflowError(f"'{p}' is not a run directory (no {CONFIG_FILE} and {RUN_MARKER} in "
+                        "it); give a run directory such as runs/demo")
+
+
 def claim_directory(root: str | os.PathLike, *, marker: str = RUN_MARKER,
                     legacy: Callable[[Path], str | None] = legacy_run_problem,
                     what: str = "run directory") -> bool:

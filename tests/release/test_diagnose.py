@@ -120,12 +120,16 @@ def test_command_exit_codes_json_and_reinit(planted_dir, tmp_path, capsys):
     assert diagnose_main([str(out)]) == 0  # the re-initialised model is clean
 
 
-def test_module_entry_point_and_bad_input(planted_dir, tmp_path):
+def test_module_entry_point_and_bad_input(planted_dir, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "olmoflow.scripts.diagnose_weights",
                         str(planted_dir), "--all"], capture_output=True, text=True)
     assert r.returncode == 1 and "embeddings.weight" in r.stdout  # --all lists every tensor
-    r = subprocess.run([sys.executable, "-m", "olmoflow.scripts.diagnose_weights",
-                        str(tmp_path / "missing")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
+    assert diagnose_main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err
     assert diagnose_main([str(planted_dir), "--threshold", "2"]) == 2
     assert diagnose_main([str(planted_dir), "--reinit", str(planted_dir)]) == 2  # own folder
+    card = planted_dir / "config.json"  # an existing file is never overwritten without --force
+    before = card.read_bytes()
+    assert diagnose_main([str(planted_dir), "--json", str(card)]) == 2
+    assert card.read_bytes() == before

@@ -50,5 +50,8 @@ def test_bad_input_is_one_line(run, tmp_path, capsys):
     assert main(["reproduce", str(run), "--from", "step99"]) == 2
     assert main(["reproduce", str(run), "--from", "step5", "--steps", "0"]) == 2
     assert main(["reproduce", str(run), "--from", "latest"]) == 2  # nothing logged after it
+    assert main(["reproduce", str(run / "pretrain"), "--from", "step5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and all(e.startswith("olmoflow: error:") for e in err)
+    assert len(err) == 5 and all(e.startswith("olmoflow: error:") for e in err)
+    assert "replay from an earlier checkpoint" in err[3]
+    assert "is a stage directory; give its run directory" in err[4]

@@ -56,6 +56,22 @@ def test_malformed_json(http, raw):
         assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("where", ["prompt", "content", "stop"])
+def test_lone_surrogates_are_a_400(http, where):
+    # a JSON escape of half a UTF-16 pair is valid JSON but no Unicode text a tokenizer can take
+    bad = '"x \\ud800 y"'
+    if where == "prompt":
+        path, raw = "/v1/completions", f'{{"prompt": {bad}, "max_tokens": 2}}'
+    elif where == "content":
+        path, raw = "/v1/chat/completions", \
+            f'{{"messages": [{{"role": "user", "content": {bad}}}], "max_tokens": 2}}'
+    else:
+        path, raw = "/v1/completions", f'{{"prompt": "hi", "stop": [{bad}], "max_tokens": 2}}'
+    assert "surrogate" in error_of(http.post(path, content=raw.encode()), 400)["message"]
+    ok = http.post("/v1/completions", json=COMPLETION)  # the connection is still good
+    assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("raw", [b"[]", b"3", b'"text"', b"null", b"true"])
 def test_body_not_an_object(http, raw):
     err = error_of(http.post("/v1/completions", content=raw), 400)
@@ -113,6 +129,7 @@ BAD_VALUES = [
     ({"n": 0}, "n"), ({"n": 17}, "n"), ({"seed": -1}, "seed"), ({"seed": 2**70}, "seed"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"best_of": 3}, "best_of"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop"), ({"stop": [""]}, "stop"),
@@ -228,6 +245,16 @@ def test_body_too_large(keyed):
 
     error_of(keyed.post("/v1/completions", content=chunks(), headers=good), 413)
     assert keyed.post("/v1/completions", json=COMPLETION, headers=good).status_code == 200
+
+
+def test_more_choices_than_the_server_can_hold_is_a_400(keyed):
+    # a queue of 8: 9 choices could never be accepted; a 429 would invite retrying forever
+    good = {"Authorization": f"Bearer {KEY}"}
+    err = error_of(keyed.post("/v1/completions", json={**COMPLETION, "n": 9}, headers=good),
+                   400)
+    assert err["param"] == "n" and "at most 8 (--max-queue)" in err["message"]
+    assert keyed.post("/v1/completions", json={**COMPLETION, "n": 8},
+                      headers=good).status_code == 200
 
 
 def test_unknown_path_and_wrong_method(http):

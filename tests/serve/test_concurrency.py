@@ -162,12 +162,10 @@ def test_queue_full_is_429_with_retry_after(slow):
             lines = running.iter_lines()  # kept: a dropped iterator closes the response
             next(lines)
             wait_for(lambda: live.engine.stats()["running"] == 1)
-            # n=2 with room for one more: neither is kept (the first is taken back)
+            # n=2 with a queue of one could never be accepted: a 400, not a 429 to retry
             r = c.post("/v1/completions", json={**body, "n": 2})
-            assert r.status_code == 429 and r.headers["retry-after"] == "1"
-            err = r.json()["error"]
-            assert err["code"] == "rate_limit_exceeded" and "busy" in err["message"]
-            wait_for(lambda: live.engine.stats()["waiting"] == 0)
+            assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"]
+            assert live.engine.stats()["waiting"] == 0
             # one waits (in a thread), the next is refused
             waiting = threading.Thread(target=lambda: c.post(
                 "/v1/completions", json={**body, "max_tokens": 2}))
@@ -177,6 +175,8 @@ def test_queue_full_is_429_with_retry_after(slow):
                 "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 2})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert err["code"] == "rate_limit_exceeded" and "busy" in err["message"]
         waiting.join(timeout=30)
     wait_for(lambda: live.engine.stats()["running"] == 0)
     aborted.clear()

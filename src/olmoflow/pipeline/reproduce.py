@@ -106,14 +106,13 @@ def reproduce(run: str | Path, checkpoint: str, steps: int,
     """
     from olmoflow.pipeline.config import load_config
     from olmoflow.pipeline.stages.train import pretrain_parts
-    from olmoflow.run_dir import RunDir
+    from olmoflow.run_dir import RunDir, require_run_dir
     from olmoflow.train.checkpoint import resolve_checkpoint
     from olmoflow.train.checkpoint_names import parse_checkpoint_name
     from olmoflow.train.trainer import Trainer
 
     run = Path(run)
-    if not RunDir(run).config.is_file():
-        raise OlmoflowError(f"'{run}' is not a run directory (no config.yaml in it)")
+    require_run_dir(run)
     if steps < 1:
         raise OlmoflowError(f"--steps must be >= 1, got {steps}")
     folder = RunDir(run).stage("pretrain")
@@ -122,8 +121,11 @@ def reproduce(run: str | Path, checkpoint: str, steps: int,
     log = read_log(folder / "metrics.jsonl")
     wanted = [s for s in sorted(log) if start < s <= start + steps]
     if not wanted:
+        after = [s for s in log if s > start]
+        hint = ("replay more steps" if after else
+                "it is the last logged step; replay from an earlier checkpoint")
         raise OlmoflowError(f"the log {folder / 'metrics.jsonl'} has no step in ({start}, "
-                            f"{start + steps}]: nothing to compare; replay more steps")
+                            f"{start + steps}] after {ckpt.name}: nothing to compare; {hint}")
     cfg = load_config(str(ckpt / "config.yaml"), list(overrides or []), {"run_dir": str(run)})
     train = replace(cfg.train, checkpoint=replace(cfg.train.checkpoint, resume_from=str(ckpt),
                                                   save_interval=0))

@@ -25,6 +25,7 @@ from olmoflow.artifacts import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    data_files,
     environment,
     git_commit,
 )
@@ -173,8 +174,6 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
                                 "requirements.lock", "Dockerfile", "config.yaml", "README.md")]
     files += [out / "eval" / src.name for src in copied]
     files.append(write_file_index(out, files))  # last: the hashes of everything above
-    from olmoflow.artifacts import data_files
-
     read = [f for e in kept for f in data_files(e.source)]
     return StageResult(inputs=[log, eval_report, *copied, *post_logs, *read], outputs=files,
                        counts={"files": len(files), "checkpoint": checkpoint.name})

@@ -115,8 +115,8 @@ def verify_release(release: str | Path) -> VerifyReport:
         recorded = json.loads(index.read_text(encoding="utf-8"))["files"]
         assert isinstance(recorded, dict)
     except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
-        raise OlmoflowError(f"{index}: not a file index ({{\"files\": {{path: {{bytes, "
-                            "sha256}}}}}); the bundle's own list is damaged") from None
+        raise OlmoflowError(f"{index}: not a file index ({{\"files\": {{path: {{\"bytes\", "
+                            "\"sha256\"}}}); the bundle's own list is damaged") from None
     report = VerifyReport(release)
     # Hidden files are bookkeeping (the runner's .fingerprint, an interrupted write's temporary),
     # never part of a bundle.

@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--reinit", metavar="OUT",
                    help="write a Hugging Face directory with the flagged tensors re-initialised")
     p.add_argument("--seed", type=int, default=0, help="seed of the re-initialisation")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --reinit OUT")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --json FILE or a non-empty --reinit OUT")
     return p
 
 
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = DiagnoseSettings(k=args.k, threshold=args.threshold, dead_tol=args.dead_tol,
                                 sibling_factor=args.sibling_factor)
+    if args.json and Path(args.json).exists() and not args.force:
+        raise OlmoflowError(f"--json '{args.json}' exists; pass --force to replace it")
     model, kind, src = load_for_diagnosis(args.checkpoint)
     out = check_output(args.reinit, kind, src, args.force) if args.reinit else None
     reports = diagnose_model(model, settings)

@@ -111,6 +111,12 @@ class _Batch:
         self.engine = engine
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.open: set[str] = set()
+        # Every sequence of a request queues before the engine admits it: more than the queue
+        # holds could never be accepted, and a 429 would invite retrying forever.
+        if len(requests) > engine.max_queue:
+            raise invalid(f"this request needs {len(requests)} sequences (prompts x n) but the "
+                          f"server queues at most {engine.max_queue} (--max-queue); send fewer "
+                          "prompts or a smaller 'n'", param="n")
         loop = asyncio.get_running_loop()
         for index, req in enumerate(requests):
             def callback(out: RequestOutput, index: int = index) -> None:

@@ -90,7 +90,7 @@ def too_large(limit: int) -> APIError:
 
 def queue_full(waiting: int, retry_after: int = 1) -> APIError:
     """429 when the engine already has ``waiting`` requests queued; ``Retry-After`` seconds."""
-    return APIError(f"The server is busy: {waiting} requests are already waiting; retry in "
+    return APIError(f"The server is busy: {waiting} request(s) already waiting; retry in "
                     f"{retry_after} s", 429, type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(retry_after)})
 

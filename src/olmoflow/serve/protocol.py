@@ -83,6 +83,9 @@ class _Sampling(_Model):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # accepted only at their no-op values (a client library may send them): 400 otherwise
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -207,6 +210,11 @@ def parse_request(raw: bytes, kind: type[_Sampling]) -> Any:
                       f"object with 'Content-Type: application/json'; {str(e)[:120]})") from None
     if not isinstance(body, dict):
         raise invalid(f"The request body must be a JSON object, got {_got(body)}")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can take
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid("The request body holds a lone UTF-16 surrogate (such as \\ud800), which "
+                      "is not valid Unicode text") from None
     try:
         return kind.model_validate(body)
     except ValidationError as e:
@@ -290,6 +298,12 @@ def _check_common(r: _Sampling, limits: Limits, *, min_tokens: int,
         if v is not None and v != 0:
             raise invalid(f"'{name}' is not supported by this server (only 0); use "
                           "'repetition_penalty' (e.g. 1.1) instead", param=name)
+    if r.logit_bias:
+        raise invalid("'logit_bias' is not supported by this server (only {} or null)",
+                      param="logit_bias")
+    if r.best_of is not None and r.best_of != 1:
+        raise invalid("'best_of' is not supported by this server (only 1); use 'n' and pick "
+                      "yourself", param="best_of")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     if len(stop) > MAX_STOP:
         raise invalid(f"'stop' takes at most {MAX_STOP} sequences, got {len(stop)}",
