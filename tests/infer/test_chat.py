@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from checks import scripted_input
 
 from olmoflow.infer.chat import ChatSession, chat_main, load_chat_model
 from olmoflow.infer.generate import generate
@@ -48,17 +49,6 @@ def release(tmp_path_factory):
     return d
 
 
-def scripted(lines):
-    it = iter(lines)
-
-    def input_fn(prompt):
-        try:
-            return next(it)
-        except StopIteration:
-            raise EOFError from None
-    return input_fn
-
-
 def test_load_chat_model_uses_trained_length(release):
     model, tok, src, window = load_chat_model(release, device="cpu")
     assert src == release and window == 96 < model.config.max_sequence_length
@@ -69,7 +59,7 @@ def test_scripted_session(release):
     out = io.StringIO()
     rc = chat_main([str(release), "--seed", "0", "--max-new-tokens", "6", "--device", "cpu",
                     "--system", "be brief"],
-                   input_fn=scripted(["hello", "/reset", "/reset", "/system",
+                   input_fn=scripted_input(["hello", "/reset", "/reset", "/system",
                                       "/system Be brief.", "/sytem x", "", *[MEDIUM] * 4, LONG,
                                       "the cat", "/exit", "never read"]),
                    output=out)
@@ -85,7 +75,7 @@ def test_scripted_session(release):
     assert notes[1].startswith("[note] message not sent")
     assert text.count(">>>") == 0  # the prompt is input_fn's to show, not written to output
     # EOF (Ctrl-D) ends the chat like /exit
-    assert chat_main([str(release), "--device", "cpu"], input_fn=scripted([]),
+    assert chat_main([str(release), "--device", "cpu"], input_fn=scripted_input([]),
                      output=io.StringIO()) == 0
 
 
@@ -182,7 +172,7 @@ def test_no_template_falls_back_to_plain():
 
 def test_dir_without_model_is_one_line_error(tmp_path, capsys):
     err = io.StringIO()
-    assert chat_main([str(tmp_path)], input_fn=scripted([]), errors=err) == 2
+    assert chat_main([str(tmp_path)], input_fn=scripted_input([]), errors=err) == 2
     msg = err.getvalue()
     assert msg.count("\n") == 1 and str(tmp_path) in msg and msg.startswith("olmoflow chat:")
     err = io.StringIO()

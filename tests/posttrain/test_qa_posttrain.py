@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import scripted_input
 
 from olmoflow.config import from_dict
 from olmoflow.errors import OlmoflowError
@@ -158,21 +159,10 @@ def release(tmp_path_factory):
     return d
 
 
-def _scripted(lines):
-    it = iter(lines)
-
-    def input_fn(prompt):
-        try:
-            return next(it)
-        except StopIteration:
-            raise EOFError from None
-    return input_fn
-
-
 def test_a_message_not_sent_is_not_also_an_empty_reply(release):
     out = io.StringIO()
     rc = chat_main([str(release), "--seed", "0", "--max-new-tokens", "4", "--device", "cpu"],
-                   input_fn=_scripted(["hi", "cat " * 200]), output=out)
+                   input_fn=scripted_input(["hi", "cat " * 200]), output=out)
     text = out.getvalue()
     assert rc == 0 and text.count("[note] message not sent") == 1
     sent, not_sent = text.split("message not sent", 1)
@@ -183,7 +173,7 @@ def test_a_message_not_sent_is_not_also_an_empty_reply(release):
 def test_max_new_tokens_zero_is_a_one_line_error(release):
     err = io.StringIO()
     assert chat_main([str(release), "--max-new-tokens", "0", "--device", "cpu"],
-                     input_fn=_scripted([]), output=io.StringIO(), errors=err) == 2
+                     input_fn=scripted_input([]), output=io.StringIO(), errors=err) == 2
     assert "--max-new-tokens must be >= 1" in err.getvalue()
     assert err.getvalue().count("\n") == 1
 

@@ -9,26 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import cli, exits_with_one_line
 from tolerance import assert_fp32_close, assert_greedy_agrees, forward_terms, fp32_rel
 
 from olmoflow.cli import main
 
 transformers = pytest.importorskip("transformers",
                                    reason="transformers is the consumer of the export")
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc: int, err: str, *fragments: str) -> None:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("olmoflow: error: "), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 # OLMo-style checkpoint names: 4 x 512 = 2048 tokens, rounded up to 3K (train.checkpoint)
@@ -57,7 +44,7 @@ def test_model_info_prints_the_table(capsys):
 
 def test_model_info_unknown_preset(capsys):
     rc, _, err = cli(capsys, "model", "info", "olmo3_7bb")
-    one_line_error(rc, err, "unknown model preset 'olmo3_7bb'", "'olmo3_7b'")
+    exits_with_one_line(rc, err, "unknown model preset 'olmo3_7bb'", "'olmo3_7b'")
 
 
 def test_export_loads_in_transformers(tiny_run, tmp_path, capsys):
@@ -134,23 +121,23 @@ def test_export_from_the_latest_pointer_file(tiny_run, tmp_path, capsys):
 def test_export_bad_inputs(tiny_run, tmp_path, capsys):
     step = str(tiny_run / "pretrain" / STEP2)
     rc, _, err = cli(capsys, "export", "hf", str(tmp_path / "missing"), str(tmp_path / "o"))
-    one_line_error(rc, err, "does not exist")
+    exits_with_one_line(rc, err, "does not exist")
     rc, _, err = cli(capsys, "export", "hf", str(tiny_run / "collect"), str(tmp_path / "o"))
-    one_line_error(rc, err, "is not a checkpoint")
+    exits_with_one_line(rc, err, "is not a checkpoint")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
     rc, _, err = cli(capsys, "export", "hf", step, str(busy))
-    one_line_error(rc, err, "not empty", "--force")
+    exits_with_one_line(rc, err, "not empty", "--force")
     assert (busy / "keep.txt").read_text() == "x"
     rc, _, err = cli(capsys, "export", "hf", step, str(busy), "--force")
     assert rc == 0, err
     assert (busy / "config.json").is_file() and not (busy / "keep.txt").exists()
     rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"), "--dtype", "fp8")
-    one_line_error(rc, err, "unknown dtype 'fp8'")
+    exits_with_one_line(rc, err, "unknown dtype 'fp8'")
     rc, _, err = cli(capsys, "export", "hf", step, str(tmp_path / "o"),
                      "--tokenizer", str(tmp_path))
-    one_line_error(rc, err, "no tokenizer.json")
+    exits_with_one_line(rc, err, "no tokenizer.json")
     assert not (tmp_path / "o").exists()
 
 
@@ -161,8 +148,8 @@ def test_export_never_writes_over_the_checkpoint_folder(tiny_run, tmp_path, caps
     before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
     for out in (folder, tiny_run, folder / "export"):
         rc, _, err = cli(capsys, "export", "hf", str(folder / STEP2), str(out), "--force")
-        one_line_error(rc, err, "checkpoint folder")
+        exits_with_one_line(rc, err, "checkpoint folder")
     (tmp_path / "file").write_text("x")
     rc, _, err = cli(capsys, "export", "hf", str(folder / STEP2), str(tmp_path / "file" / "o"))
-    one_line_error(rc, err, "is a file")
+    exits_with_one_line(rc, err, "is a file")
     assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checks import cli, exits_with_one_line
 from tolerance import assert_fp32_close, assert_greedy_agrees, forward_terms, fp32_rel
 
 from olmoflow.cli import main
@@ -30,20 +31,6 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.",
 ]
 PROMPTS = ["The cat", "def add(a", "Hello world! The", "The quick brown fox"]
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc: int, err: str, *fragments: str) -> None:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("olmoflow: error: "), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +212,7 @@ def test_a_step_checkpoint_exports_its_weights(olmo2, tmp_path, capsys):
         assert np.array_equal(ts[gguf_name(k)].data, w.numpy()), k
     rc, _, err = cli(capsys, "export", "gguf", str(step), str(run / "pretrain" / "x.gguf"),
                      "--tokenizer", str(d))
-    one_line_error(rc, err, "inside the checkpoint folder")
+    exits_with_one_line(rc, err, "inside the checkpoint folder")
 
 
 def test_a_shape_llama_cpp_cannot_run_is_refused(tmp_path, capsys):
@@ -236,7 +223,7 @@ def test_a_shape_llama_cpp_cannot_run_is_refused(tmp_path, capsys):
     Olmo(cfg).save_pretrained(d, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     tok.save(d)
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(tmp_path / "x.gguf"))
-    one_line_error(rc, err, "n_heads * head_dim = 2 * 32 != d_model 32")
+    exits_with_one_line(rc, err, "n_heads * head_dim = 2 * 32 != d_model 32")
     assert not (tmp_path / "x.gguf").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # temp file removed
 
@@ -244,26 +231,26 @@ def test_a_shape_llama_cpp_cannot_run_is_refused(tmp_path, capsys):
 def test_bad_paths_are_one_line_errors(olmo2, exported, tmp_path, capsys):
     _, _, d = olmo2
     rc, _, err = cli(capsys, "export", "gguf", str(tmp_path / "nope"), str(tmp_path / "a.gguf"))
-    one_line_error(rc, err, "does not exist")
+    exits_with_one_line(rc, err, "does not exist")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(tmp_path))
-    one_line_error(rc, err, "is a directory")
+    exits_with_one_line(rc, err, "is a directory")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(d / "inside.gguf"))
-    one_line_error(rc, err, "must not be inside the checkpoint")
+    exits_with_one_line(rc, err, "must not be inside the checkpoint")
     (tmp_path / "file").write_text("x")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(tmp_path / "file" / "a.gguf"))
-    one_line_error(rc, err, "is a file, not a directory")
+    exits_with_one_line(rc, err, "is a file, not a directory")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(tmp_path / "a.gguf"), "--dtype", "q4")
-    one_line_error(rc, err, "unknown GGUF dtype 'q4'", "f32, f16, q8_0")
+    exits_with_one_line(rc, err, "unknown GGUF dtype 'q4'", "f32, f16, q8_0")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(tmp_path / "a.gguf"), "--tokenizer",
                      str(tmp_path))
-    one_line_error(rc, err, "no tokenizer.json", "--tokenizer")
+    exits_with_one_line(rc, err, "no tokenizer.json", "--tokenizer")
     rc, _, err = cli(capsys, "export", "gguf", str(tmp_path / "file"), str(tmp_path / "a.gguf"))
-    one_line_error(rc, err, "is not a directory")
+    exits_with_one_line(rc, err, "is not a directory")
 
     existing = tmp_path / "old.gguf"
     existing.write_bytes(b"old")
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(existing))
-    one_line_error(rc, err, "exists", "--force")
+    exits_with_one_line(rc, err, "exists", "--force")
     assert existing.read_bytes() == b"old"
     rc, _, err = cli(capsys, "export", "gguf", str(d), str(existing), "--force", "--dtype", "f32")
     assert rc == 0, err

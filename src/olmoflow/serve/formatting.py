@@ -110,31 +110,39 @@ def chat_logprobs(entries: Sequence[TokenLogprob], k: int) -> dict[str, Any]:
         for e in entries], "refusal": None}
 
 
+def _envelope(rid: str, obj: str, created: int, model: str,
+              choices: list[dict[str, Any]], **rest: Any) -> dict[str, Any]:
+    """The fields every response and chunk of the OpenAI API share, then ``rest``."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            **rest}
+
+
+def _chunk(rid: str, obj: str, created: int, model: str, choice: dict[str, Any],
+           with_usage: bool) -> dict[str, Any]:
+    """A streamed chunk of one choice; ``usage`` is null on it under ``include_usage`` (the
+    usage comes in a chunk of its own at the end)."""
+    return _envelope(rid, obj, created, model, [choice], **({"usage": None} if with_usage else {}))
+
+
 def completion_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
                     use: dict[str, int]) -> dict[str, Any]:
     """A whole (non-streamed) completions response."""
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": use}
+    return _envelope(rid, "text_completion", created, model, choices, usage=use)
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      logprobs: dict[str, Any] | None, finish_reason: str | None,
                      with_usage: bool) -> dict[str, Any]:
     """One streamed completions chunk for choice ``index``."""
-    chunk: dict[str, Any] = {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
+    return _chunk(rid, "text_completion", created, model,
+                  {"index": index, "text": text, "logprobs": logprobs,
+                   "finish_reason": finish_reason}, with_usage)
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
               use: dict[str, int]) -> dict[str, Any]:
     """A whole (non-streamed) chat response."""
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": use}
+    return _envelope(rid, "chat.completion", created, model, choices, usage=use)
 
 
 def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
@@ -148,17 +156,12 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, 
                logprobs: dict[str, Any] | None, finish_reason: str | None,
                with_usage: bool) -> dict[str, Any]:
     """One streamed ``chat.completion.chunk`` for choice ``index``."""
-    chunk: dict[str, Any] = {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                     "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
+    return _chunk(rid, "chat.completion.chunk", created, model,
+                  {"index": index, "delta": delta, "logprobs": logprobs,
+                   "finish_reason": finish_reason}, with_usage)
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str,
                 use: dict[str, int]) -> dict[str, Any]:
     """The last chunk under ``include_usage``: no choices, the request's usage."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": use}
+    return _envelope(rid, obj, created, model, [], usage=use)
