@@ -55,16 +55,14 @@ class _Documents:
 
     def __init__(self, paths: list[Path], dtype: np.dtype):
         from olmoflow.data.loader import index_path, open_documents
-        from olmoflow.data.tokenize import read_index, read_token_array
+        from olmoflow.data.tokenize import read_index
 
         self.arrays, self.starts, self.ends = open_documents(paths, dtype)
-        self.ids: list[str] = []
-        self.sources: list[str] = []
-        for p in paths:
-            if len(read_token_array(p, dtype)):
-                rows = read_index(index_path(p))
-                self.ids += [r[2] for r in rows]
-                self.sources += [r[3] for r in rows]
+        # open_documents checked that each index tiles its array, so an empty array has no rows
+        # and the rows line up with the documents it returned
+        rows = [r for p in paths for r in read_index(index_path(p))]
+        self.ids = [r[2] for r in rows]
+        self.sources = [r[3] for r in rows]
 
     def overlapping(self, start: int, end: int) -> list[int]:
         """Documents holding any of the global token offsets ``[start, end)``."""
@@ -109,9 +107,10 @@ def trained_steps(save_folder: Path) -> int | None:
     return last
 
 
-def step_batch(cfg, step: int):
+def step_batch(cfg, step: int, tok=None):
     """``(loader, indices)``: the pretrain data loader of run config ``cfg`` (its dataset built as
     the ``pretrain`` stage builds it) and the dataset indices of step ``step``'s global batch.
+    ``tok`` is the run's tokenizer when the caller has it loaded already.
 
     Raises:
         OlmoflowError: ``step`` < 1 or past the steps the run trained; a checkpoint whose loader
@@ -127,7 +126,7 @@ def step_batch(cfg, step: int):
     if done is not None and step > done:
         raise OlmoflowError(f"the run trained {done} steps ({folder / 'metrics.jsonl'}); "
                             f"step {step} did not happen")
-    _, loader, _ = pretrain_loader(cfg, load_tokenizer(cfg))
+    _, loader, _ = pretrain_loader(cfg, tok if tok is not None else load_tokenizer(cfg))
     anchor, state = _anchor(folder, step)
     if state is not None:
         loader.load_state_dict(state)
@@ -145,11 +144,10 @@ def step_documents(cfg, step: int, *, chars: int = 60) -> list[DocumentSpan]:
     from olmoflow.data.loader import PackedDataset
     from olmoflow.pipeline.stages.common import load_tokenizer, token_split
 
-    loader, indices = step_batch(cfg, step)
-    dataset = loader.dataset
-    paths, dtype = token_split(cfg, "train")
-    docs = _Documents(paths, dtype)
     tok = load_tokenizer(cfg)
+    loader, indices = step_batch(cfg, step, tok)
+    dataset = loader.dataset
+    docs = _Documents(*token_split(cfg, "train"))
     L = dataset.sequence_length
 
     def span(row: int, inst: int, d: int, lo: int, hi: int, at: int) -> DocumentSpan:

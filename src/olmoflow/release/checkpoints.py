@@ -91,8 +91,7 @@ def release_checkpoints(runs: RunDir, tokenizers: dict[str, tuple[Any, Path]], o
         e.checkpoint_bytes = _dir_bytes(e.source)
         if include:
             dst = out / "checkpoints" / e.name
-            tok, tok_dir = tokenizers[e.stage]
-            verify_checkpoint(e.source)  # before dcp unpickles anything of it
+            tok, tok_dir = tokenizers[e.stage]  # load_step_model verifies its files first
             write_model_dir(load_step_model(e.source, tok.vocab_size), dst, tok_dir, tok=tok,
                             manifest={"command": "olmoflow release", "stage": e.stage,
                                       "source": str(e.source.resolve()), "source_kind": "step"})

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,14 @@ class TensorReport:
         return bool(self.reasons)
 
 
-def init_rms(module: nn.Module, init_std: float) -> float | None:
+def init_rms(module: nn.Module, init_std: float | None) -> float | None:
     """The RMS :meth:`Olmo.reset_parameters` gives ``module``'s weight: ``init_std`` times the
-    RMS of a unit normal truncated at 3 std for linear and embedding layers, 1 for norms; None for
-    other modules."""
+    RMS of a unit normal truncated at 3 std for linear and embedding layers (None without an
+    ``init_std``), 1 for norms; None for other modules."""
     from olmoflow.model.layers import RMSNorm
 
     if isinstance(module, nn.Linear | nn.Embedding):
-        return init_std * _TRUNC3_RMS
+        return None if init_std is None else init_std * _TRUNC3_RMS
     if isinstance(module, RMSNorm):
         return 1.0
     return None
@@ -180,9 +181,7 @@ def _compare_siblings(reports: list[TensorReport], factor: float) -> None:
         if len(members) < 3:
             continue
         for r in members:
-            others = sorted(spread(m) for m in members if m is not r)
-            median = others[len(others) // 2] if len(others) % 2 else \
-                0.5 * (others[len(others) // 2 - 1] + others[len(others) // 2])
+            median = statistics.median(spread(m) for m in members if m is not r)
             if median <= 0:
                 continue
             r.sibling_ratio = spread(r) / median
@@ -204,10 +203,7 @@ def diagnose_model(model: nn.Module, settings: DiagnoseSettings | None = None,
     reports = []
     for name, p in model.named_parameters():
         owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        expected = init_rms(owner, init_std) if init_std is not None else None
-        if expected is None and not isinstance(owner, nn.Linear | nn.Embedding):
-            expected = init_rms(owner, 1.0)  # norms: 1 whatever the std
-        r = tensor_report(name, p, settings, expected)
+        r = tensor_report(name, p, settings, init_rms(owner, init_std))
         if r.nan or r.inf:
             r.reasons.append(f"{r.nan} NaN, {r.inf} Inf")
         if r.anomaly_share > settings.threshold:
