@@ -473,16 +473,19 @@ class Attention(nn.Module):
             return self.inference_forward(x, cos, sin, inference, layer=layer, cache=cache,
                                           mask=mask, cache_position=cache_position)
         B, T, _ = x.shape
-        q = self.q_norm(self.w_q(x)).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_norm(self.w_k(x)).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.w_v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Heads counted from the projections' width: under tensor parallelism a rank holds
+        # n_heads / tp query heads and n_kv_heads / tp key/value heads (whole heads per rank).
+        hd = self.head_dim
+        q = self.q_norm(self.w_q(x)).view(B, T, -1, hd).transpose(1, 2)
+        k = self.k_norm(self.w_k(x)).view(B, T, -1, hd).transpose(1, 2)
+        v = self.w_v(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v, cache_position)
         if mask is None:
             mask = AttentionMask.causal(T, k.shape[2], x.device, self.window)
         y = attend(q, k, v, mask, self.backend, self.dropout if self.training else 0.0)
-        return self.w_out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.w_out(y.transpose(1, 2).reshape(B, T, q.shape[1] * hd))
 
     def inference_weights(self) -> AttentionWeights:
         """The fused copies :meth:`inference_forward` multiplies by (built by the caller once

@@ -30,8 +30,8 @@ from olmoflow.model.layers import (
     fused_weight,
     inference_rms_norm,
 )
-
-IGNORE_INDEX = -100
+from olmoflow.model.loss import IGNORE_INDEX as IGNORE_INDEX  # (its old home: still imported here)
+from olmoflow.model.loss import fused_head_applies, linear_lm_loss, lm_loss
 
 
 class BlockWeights(NamedTuple):
@@ -68,63 +68,6 @@ class OlmoOutput:
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
-
-
-class _CrossEntropyZLoss(torch.autograd.Function):
-    """Summed cross-entropy and z-loss over ``[N, V]`` fp32 logits in one pass over the vocabulary.
-
-    Forward: one ``log_softmax``; ``lse = logit[target] - logp[target]``. Backward writes the
-    gradient straight into the saved ``logp`` buffer: ``softmax * (g_ce + 2 c g_z lse) - onehot *
-    g_ce``, instead of autograd's separate dense gradients for the CE and the z-loss terms.
-    (The graph can be backpropagated once, as in any training step.)
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, z_coef: float, scale: torch.Tensor):
-        logp = torch.log_softmax(logits, dim=-1)
-        valid = (labels != IGNORE_INDEX).to(logits.dtype)
-        target = labels.clamp_min(0)[:, None]
-        logp_t = logp.gather(1, target).squeeze(1)
-        lse = logits.gather(1, target).squeeze(1) - logp_t
-        ce = -(logp_t * valid).sum() * scale
-        z = z_coef * (lse.square() * valid).sum() * scale
-        ctx.save_for_backward(logp, target, lse, valid, scale)
-        ctx.z_coef = z_coef
-        return ce, z
-
-    @staticmethod
-    def backward(ctx, g_ce, g_z):
-        logp, target, lse, valid, scale = ctx.saved_tensors
-        w_ce = g_ce * valid * scale
-        coef = w_ce + (2 * ctx.z_coef * scale) * g_z * lse * valid
-        grad = logp.exp_().mul_(coef[:, None])
-        grad.scatter_add_(1, target, -w_ce[:, None])
-        return grad, None, None, None
-
-
-def lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, z_loss_coef: float, normalizer: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cross-entropy on fp32 logits plus z-loss (PaLM, Chowdhery et al. 2022; OLMo uses 1e-5).
-
-    Args:
-        logits: ``[..., V]``; labels: ``[...]`` with ``IGNORE_INDEX`` for positions without a
-            target.
-        z_loss_coef: weight of ``logsumexp(logits)**2``.
-        normalizer: divide the summed losses by this (the number of target tokens in the whole
-            global batch, for gradient accumulation); None divides by this call's target count.
-    Returns:
-        ``(loss, ce_loss, z_loss)`` scalars, ``loss = ce_loss + z_loss``.
-    """
-    logits = logits.float().reshape(-1, logits.shape[-1])
-    labels = labels.reshape(-1)
-    # The target count stays a tensor (no device sync, no torch.compile graph break).
-    if normalizer is not None:
-        scale = torch.tensor(1.0 / float(normalizer), device=logits.device)
-    else:
-        scale = 1.0 / (labels != IGNORE_INDEX).sum().clamp_min(1).to(logits.dtype)
-    ce, z = _CrossEntropyZLoss.apply(logits, labels, float(z_loss_coef), scale)
-    return ce + z, ce, z
 
 
 class Block(nn.Module):
@@ -179,6 +122,10 @@ class Olmo(nn.Module):
         # The cached no-grad forward (generate, serving) runs the inference path over derived
         # weight copies (see forward); False runs the training forward's code there too.
         self.fused_inference = True
+        # The loss over the LM head's output, ``fn(logits, labels, z_loss_coef, normalizer) ->
+        # (loss, ce_loss, z_loss)``; None: :func:`lm_loss`. Tensor parallelism sets a
+        # vocabulary-parallel loss here (the head's output is then this rank's vocabulary shard).
+        self.lm_loss_fn = None
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
@@ -347,10 +294,16 @@ class Olmo(nn.Module):
             x = x[:, -1:]
         if return_hidden:
             return OlmoOutput(x)
+        if labels is not None and self.lm_loss_fn is None and fused_head_applies(self.lm_head, x):
+            # Training: the head and the loss chunk by chunk, never the whole [B, T, V] logits.
+            loss, ce, z = linear_lm_loss(x, self.lm_head.weight, labels, self.config.z_loss,
+                                         loss_normalizer)
+            return OlmoOutput(None, loss, ce, z)
         logits = self.lm_head(x)
         if labels is None:
             return OlmoOutput(logits)
-        loss, ce, z = lm_loss(logits, labels, self.config.z_loss, loss_normalizer)
+        loss_fn = self.lm_loss_fn if self.lm_loss_fn is not None else lm_loss
+        loss, ce, z = loss_fn(logits, labels, self.config.z_loss, loss_normalizer)
         return OlmoOutput(logits, loss, ce, z)
 
     def _windows(self) -> set[int | None]:

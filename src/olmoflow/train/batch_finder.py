@@ -139,7 +139,7 @@ def auto_micro_batch(trainer) -> int:
         # FSDP2 (its own module) needs its collectives; every rank tries the same sizes in order.
         optimizers = getattr(trainer.optimizer, "optimizers", [trainer.optimizer])  # Muon + AdamW
         moments_missing = not any(len(s) for o in optimizers for s in o.state.values())
-        shard = info.world_size if cfg.parallel.data_parallel == "fsdp" else 1
+        shard = info.world_size if cfg.parallel.method == "fsdp" else 1
         n_params = sum(p.numel() for p in inner.parameters())
         reserve = int(8 * n_params / shard) if moments_missing else 0
         vocab = getattr(model_cfg, "vocab_size", None)  # ModelConfig, or a transformers config
@@ -157,7 +157,7 @@ def auto_micro_batch(trainer) -> int:
                   else default_budget_bytes(info.local_world_size))
         fits = cpu_estimate_fits(model_cfg, sequence_length=cfg.sequence_length,
                                  budget_bytes=budget, world_size=info.world_size,
-                                 data_parallel=cfg.parallel.data_parallel,
+                                 data_parallel=cfg.parallel.method,
                                  act_bytes=2 if amp is not None else 4,
                                  checkpointing=cfg.activation_checkpointing)
         how = f"estimated against a {budget / GB:.3g} GB budget"

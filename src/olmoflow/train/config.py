@@ -22,7 +22,10 @@ from olmoflow.errors import OlmoflowError, unknown_name_error
 
 OPTIMIZERS = ("adamw", "skip_step_adamw", "muon")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-DATA_PARALLEL = ("ddp", "fsdp")
+DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+PIPELINE_SPLITS = ("layers", "cost")
+PARAM_DTYPES = ("auto", "fp32", "bf16")
 LOGGERS = ("tensorboard", "wandb")
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -129,15 +132,94 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    """``train.parallel``: how processes under torchrun share the model (see
-    :mod:`olmoflow.train.distributed`): ``data_parallel`` is ``ddp`` or ``fsdp`` (FSDP2)."""
+    """``train.parallel``: how processes under torchrun share the model, OLMo-core's names (see
+    :mod:`olmoflow.train.distributed` and :mod:`olmoflow.train.parallel`).
 
-    data_parallel: str = "ddp"
+    ``data_parallel``: the data-parallel method, ``ddp`` | ``fsdp`` (FSDP2, ZeRO-3: parameters,
+    gradients and optimizer states sharded) | ``hsdp`` (FSDP within groups of ``shard_size``
+    ranks, replicated across groups); or an integer, OLMo-core's form, the data-parallel degree
+    (sharded with FSDP), checked against the world size. ``tensor_parallel`` and
+    ``pipeline_parallel`` are degrees; ``world size = data x tensor x pipeline``.
+    ``pipeline_schedule``: ``1f1b`` | ``interleaved_1f1b`` (``stages_per_rank`` >= 2 virtual
+    stages per rank) | ``gpipe``; ``pipeline_split``: ``layers`` (equal layer counts) or ``cost``
+    (balanced by FLOPs, the LM head and loss counted on the last stage). ``param_dtype``: the
+    FSDP ``MixedPrecisionPolicy`` parameter dtype (``auto``: bf16 when ``train.precision`` gives
+    bf16, reductions in fp32, fp32 master weights); ``cpu_offload``: FSDP2 offload of
+    parameters, gradients and optimizer states to CPU memory (ZeRO-3 offload).
+    ``context_parallel`` is accepted for OLMo-core configs and must be 1.
+    """
+
+    data_parallel: str | int = "ddp"
+    shard_size: int | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    pipeline_split: str = "layers"
+    context_parallel: int = 1
+    param_dtype: str = "auto"
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.data_parallel not in DATA_PARALLEL:
-            raise unknown_name_error("train.parallel.data_parallel", self.data_parallel,
-                                     DATA_PARALLEL)
+        p = "train.parallel"
+        dp = self.data_parallel
+        if isinstance(dp, bool) or not isinstance(dp, str | int):
+            raise OlmoflowError(f"{p}.data_parallel must be one of {', '.join(DATA_PARALLEL)} or "
+                                f"a degree (an integer), got {dp!r}")
+        if isinstance(dp, int) and dp < 1:
+            raise OlmoflowError(f"{p}.data_parallel degree must be >= 1, got {dp}")
+        if isinstance(dp, str) and dp not in DATA_PARALLEL:
+            raise unknown_name_error(f"{p}.data_parallel", dp, DATA_PARALLEL)
+        for key in ("tensor_parallel", "pipeline_parallel", "stages_per_rank", "context_parallel"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise OlmoflowError(f"{p}.{key} must be an integer >= 1, got {v!r}")
+        if self.shard_size is not None and (isinstance(self.shard_size, bool)
+                                            or not isinstance(self.shard_size, int)
+                                            or self.shard_size < 1):
+            raise OlmoflowError(f"{p}.shard_size must be an integer >= 1 (or null), got "
+                                f"{self.shard_size!r}")
+        if self.shard_size is not None and self.method != "hsdp":
+            raise OlmoflowError(f"{p}.shard_size is for data_parallel=hsdp, not {dp}")
+        if self.context_parallel != 1:
+            raise OlmoflowError(f"{p}.context_parallel={self.context_parallel} is not supported "
+                                "(ring attention is not implemented); use 1")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise unknown_name_error(f"{p}.pipeline_schedule", self.pipeline_schedule,
+                                     PIPELINE_SCHEDULES)
+        if self.pipeline_split not in PIPELINE_SPLITS:
+            raise unknown_name_error(f"{p}.pipeline_split", self.pipeline_split, PIPELINE_SPLITS)
+        interleaved = self.pipeline_schedule == "interleaved_1f1b"
+        if interleaved and self.stages_per_rank < 2 and self.pipeline_parallel > 1:
+            raise OlmoflowError(f"{p}.pipeline_schedule=interleaved_1f1b needs "
+                                f"{p}.stages_per_rank >= 2, got {self.stages_per_rank}")
+        if not interleaved and self.stages_per_rank != 1:
+            raise OlmoflowError(f"{p}.stages_per_rank={self.stages_per_rank} needs "
+                                f"{p}.pipeline_schedule=interleaved_1f1b "
+                                f"(got {self.pipeline_schedule})")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise unknown_name_error(f"{p}.param_dtype", self.param_dtype, PARAM_DTYPES)
+        if not isinstance(self.cpu_offload, bool):
+            raise OlmoflowError(f"{p}.cpu_offload must be true or false, got "
+                                f"{self.cpu_offload!r}")
+        if self.cpu_offload and self.method == "ddp":
+            raise OlmoflowError(f"{p}.cpu_offload offloads FSDP shards: it needs data_parallel="
+                                "fsdp or hsdp, not ddp")
+
+    @property
+    def method(self) -> str:
+        """The data-parallel method: ``ddp``, ``fsdp`` or ``hsdp`` (an integer degree: fsdp)."""
+        return "fsdp" if isinstance(self.data_parallel, int) else self.data_parallel
+
+    @property
+    def degree(self) -> int | None:
+        """The data-parallel degree when given as an integer, else None (world / (tp x pp))."""
+        return self.data_parallel if isinstance(self.data_parallel, int) else None
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether tensor or pipeline parallelism is on."""
+        return self.tensor_parallel > 1 or self.pipeline_parallel > 1
 
 
 @dataclass
@@ -156,6 +238,14 @@ class LogConfig:
         for name in self.loggers:
             if name not in LOGGERS:
                 raise unknown_name_error(f"{p}.loggers entry", name, LOGGERS)
+
+
+# ``train.parallel`` keys that say how processes share the work, not what is computed: a run
+# saved under one layout resumes under another (torch.distributed.checkpoint reshards), equal
+# within fp32 rounding. ``param_dtype`` is not among them: bf16 parameters change the numbers.
+LAYOUT_KEYS = tuple(f"parallel.{k}" for k in (
+    "data_parallel", "shard_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule",
+    "stages_per_rank", "pipeline_split", "context_parallel", "cpu_offload"))
 
 
 # Old flat ``train.<key>`` -> its place now (a dotted path under ``train``).

@@ -47,7 +47,12 @@ DEFAULT_TIMEOUT_MIN = 60
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` of
-    ``local_world_size`` on its node, and its compute ``device`` (``cuda:local_rank`` or cpu)."""
+    ``local_world_size`` on its node, and its compute ``device`` (``cuda:local_rank`` or cpu).
+
+    ``group``: the process group the reductions below run over (None: all ranks). The
+    data-parallel view of a tensor- or pipeline-parallel run (see
+    :mod:`olmoflow.train.parallel.compose`) counts ``rank`` and ``world_size`` in data-parallel
+    ranks and names their group."""
 
     rank: int = 0
     world_size: int = 1
@@ -55,6 +60,7 @@ class DistInfo:
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    group: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -202,7 +208,7 @@ def all_reduce_sum(value: float | int, info: DistInfo) -> float:
     if info.world_size == 1:
         return value
     t = torch.tensor([float(value)], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=info.group)
     return t.item()
 
 
@@ -212,7 +218,7 @@ def all_reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float
         return values
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=info.group)
     return {k: v / info.world_size for k, v in zip(keys, t.tolist())}
 
 
@@ -221,7 +227,7 @@ def all_reduce_min(value: int, info: DistInfo) -> int:
     if info.world_size == 1:
         return value
     t = torch.tensor([int(value)], dtype=torch.int64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=info.group)
     return int(t.item())
 
 
@@ -232,7 +238,30 @@ def to_float(t: torch.Tensor | float) -> float:
     return float(t)
 
 
-def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Module:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> float:
+    """Clip the gradients of ``parameters`` to the global L2 norm ``max_norm`` (``inf``: measure
+    only) and return the norm before clipping, as :func:`torch.nn.utils.clip_grad_norm_`.
+
+    The norm covers the whole model: DTensor gradients (FSDP shards, tensor-parallel shards)
+    count each element once (``full_tensor`` of the DTensor norm), and under pipeline
+    parallelism each rank holds some stages' parameters only, so the squared norms are summed
+    over ``pp_group`` (as torchtitan's ``clip_grad_norm_``).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if pp_group is not None:
+        total = total.float().square()
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def parallelize(model: nn.Module, data_parallel: str, info: DistInfo,
+                fsdp_options: dict | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism over the process group; unchanged in one process.
 
     ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel` (gradients all-reduced in buckets
@@ -240,6 +269,8 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
     ``fully_shard`` on every ``model.blocks[i]`` and then on the root, so parameters, gradients and
     optimizer states are sharded over ranks and one block is gathered at a time. Parameters must
     be identical on all ranks before the call (build the model from the same seed).
+    ``fsdp_options``: more ``fully_shard`` keywords (``mp_policy``, ``offload_policy``: see
+    :func:`olmoflow.train.parallel.compose.fsdp_options`).
 
     Raises:
         OlmoflowError: ``data_parallel`` is neither ``ddp`` nor ``fsdp``.
@@ -266,8 +297,8 @@ def parallelize(model: nn.Module, data_parallel: str, info: DistInfo) -> nn.Modu
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **(fsdp_options or {}))
+    fully_shard(model, mesh=mesh, **(fsdp_options or {}))
     if meta:
         model = _materialize(model, info)  # only this rank's shards are ever allocated
     return model

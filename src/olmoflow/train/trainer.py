@@ -83,11 +83,10 @@ class Trainer:
         self.save_folder = Path(save_folder)
         self.config_yaml, self.progress = config_yaml, progress
         self.resume_hint = resume_hint  # the override named after Ctrl-C
-        # Under torchrun: join the process group and wrap for DDP/FSDP2 (train.parallel)
-        # before the optimizer sees the parameters, which fully_shard replaces by DTensor shards.
+        # Under torchrun: join the process group and lay the model out (train.parallel: DDP,
+        # FSDP2, tensor and pipeline parallel) before the optimizer sees the parameters, which
+        # fully_shard and parallelize_module replace by DTensor shards.
         self.dist = distributed.init_from_env()
-        self.per_rank_batch = distributed.per_rank_batch(
-            cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dist)
         # train.auto_micro_batch may change it in fit()
         self.micro_batch_size = cfg.micro_batch_size
         if cfg.compile:  # per block, as torchtitan: before FSDP wraps them; keeps state-dict keys
@@ -97,7 +96,42 @@ class Trainer:
                                     f"{type(model).__name__}")
             for block in blocks:
                 block.compile()
-        self.model = model = distributed.parallelize(model, cfg.parallel.data_parallel, self.dist)
+        if cfg.activation_checkpointing:  # before the pipeline split: each stage copies it
+            if not hasattr(model, "activation_checkpointing"):
+                raise OlmoflowError(f"train.activation_checkpointing={cfg.activation_checkpointing}"
+                                    f" needs an olmoflow Olmo model, got {type(model).__name__}")
+            model.activation_checkpointing = cfg.activation_checkpointing
+        # The data-parallel view (rank, size and group of the data-parallel ranks): it slices
+        # the global batch and normalises the loss. The whole world without model parallelism.
+        self.dp, self.pipeline, self.pp_group = self.dist, None, None
+        self.layout = None  # a parallel.layout.Layout under tensor/pipeline parallelism or HSDP
+        if cfg.parallel.model_parallel or cfg.parallel.method == "hsdp":
+            from olmoflow.train.parallel.compose import parallelize_model
+
+            laid_out = parallelize_model(model, cfg, self.dist,
+                                         autocast_dtype(cfg.precision, self.dist.device))
+            self.model = model = laid_out.model
+            self.dp, self.pipeline, self.pp_group = laid_out.dp, laid_out.pipeline, \
+                laid_out.pp_group
+            self.layout = laid_out.layout
+        else:
+            from olmoflow.train.parallel.compose import fsdp_options
+
+            options = (fsdp_options(cfg.parallel, self.dist.device,
+                                    autocast_dtype(cfg.precision, self.dist.device))
+                       if cfg.parallel.method == "fsdp" and self.dist.world_size > 1 else None)
+            self.model = model = distributed.parallelize(model, cfg.parallel.method, self.dist,
+                                                         options)
+        if cfg.parallel.model_parallel and not isinstance(self.objective, LMObjective):
+            raise OlmoflowError(f"the '{self.objective.name}' objective reads whole-vocabulary "
+                                "logits; train.parallel.tensor_parallel and pipeline_parallel > 1 "
+                                "train language-modelling objectives (pretraining, SFT) only")
+        if self.callbacks and cfg.parallel.model_parallel:
+            raise OlmoflowError("in-loop evaluation runs the whole model in one process; under "
+                                "train.parallel.tensor_parallel or pipeline_parallel > 1 evaluate "
+                                "the checkpoints after training instead (olmoflow evaluate)")
+        self.per_rank_batch = distributed.per_rank_batch(
+            cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dp)
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.step, self.tokens_seen = 0, 0
         self.last_loss: float | None = None
@@ -108,12 +142,6 @@ class Trainer:
         self.data_state: dict | None = None  # Batch.state of the last batch trained on
         # (step, dir) of the last checkpoint saved or loaded
         self.saved: tuple[int, Path] | None = None
-        inner = getattr(model, "module", model)  # a DDP wrapper holds the model as .module
-        if cfg.activation_checkpointing:
-            if not hasattr(inner, "activation_checkpointing"):
-                raise OlmoflowError(f"train.activation_checkpointing={cfg.activation_checkpointing}"
-                                    f" needs an olmoflow Olmo model, got {type(inner).__name__}")
-            inner.activation_checkpointing = cfg.activation_checkpointing
 
     def lr(self, step: int) -> float:
         """The ``train.schedule`` value at optimizer step ``step`` (0-based), peak
@@ -246,7 +274,7 @@ class Trainer:
         # Each rank takes its slice of the global batch. The objective's normaliser is global
         # (all-reduced) and divided by world_size, because DDP/FSDP average the ranks' gradients:
         # their sum is then the gradient of the whole global batch, as in one process.
-        d, global_tokens = self.dist, objective.num_tokens(fields)
+        d, global_tokens = self.dp, objective.num_tokens(fields)
         fields = {k: distributed.shard_batch(v, d) for k, v in fields.items()}
         normalizer = objective.normalizer(fields, d)
         probe = self.metrics if "input_ids" in fields else None
@@ -255,22 +283,15 @@ class Trainer:
             # a preference batch is [B, 2, T]: the probe sees its sequences as rows
             probe.start_step(self.step + 1, ids.flatten(0, -2) if ids.dim() > 2 else ids,
                              fields.get("doc_ids"))
-        mbs = self.micro_batch_size
-        chunks = {k: v.split(mbs) for k, v in fields.items()}
-        n_micro = len(next(iter(chunks.values())))
-        totals: dict[str, float] = {}
-        for i in range(n_micro):
-            micro = {k: c[i].to(device) for k, c in chunks.items()}
-            with distributed.gradient_sync(model, i == n_micro - 1):  # DDP: reduce once per step
-                with (torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()):
-                    loss, metrics = objective.loss(model, micro, normalizer)
-                loss.backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
+        autocast = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+        if self.pipeline is not None:
+            totals = self._pipeline_step(fields, normalizer, device, autocast)
+        else:
+            totals = self._accumulate(fields, normalizer, device, autocast)
         if probe is not None:
             probe.after_backward()
-        grad_norm = distributed.to_float(torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.max_grad_norm or math.inf))
+        grad_norm = distributed.clip_grad_norm(model.parameters(), cfg.max_grad_norm or math.inf,
+                                               self.pp_group)
         if d.world_size > 1:  # every rank sees the global loss (a skip-step decision is collective)
             totals = distributed.all_reduce_mean(totals, d)
         m = objective.step_metrics(totals)
@@ -284,6 +305,44 @@ class Trainer:
         self.last_loss = loss_value
         detail = probe.end_step(objective.num_tokens(fields)) if probe is not None else {}
         return {**m, "grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), **detail}
+
+    def _accumulate(self, fields, normalizer: float, device, autocast) -> dict[str, float]:
+        """Forward and backward of this rank's slice in micro-batches of
+        :attr:`micro_batch_size`; the summed metrics of the objective."""
+        chunks = {k: v.split(self.micro_batch_size) for k, v in fields.items()}
+        n_micro = len(next(iter(chunks.values())))
+        totals: dict[str, float] = {}
+        for i in range(n_micro):
+            micro = {k: c[i].to(device) for k, c in chunks.items()}
+            # DDP: reduce once per step
+            with distributed.gradient_sync(self.model, i == n_micro - 1):
+                with autocast:
+                    loss, metrics = self.objective.loss(self.model, micro, normalizer)
+                loss.backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return totals
+
+    def _pipeline_step(self, fields, normalizer: float, device, autocast) -> dict[str, float]:
+        """The pipeline schedule over this rank's slice (language modelling: the LM loss on
+        the last stage); the cross-entropy and z-loss totals of the last stage, summed onto
+        every pipeline rank.
+
+        Raises:
+            OlmoflowError: the batch asks for intra-document masking.
+        """
+        if "doc_ids" in fields:
+            raise OlmoflowError("intra-document masking (doc_ids in the batch) is not supported "
+                                "with train.parallel.pipeline_parallel > 1: the stages pass "
+                                "hidden states only")
+        with autocast:
+            totals = self.pipeline.step(fields["input_ids"].to(device),
+                                        fields["labels"].to(device), normalizer)
+        # Only the last stage saw the loss: its totals, summed over the pipeline ranks.
+        t = torch.tensor([totals["ce_loss"], totals["z_loss"]], dtype=torch.float64,
+                         device=device)
+        torch.distributed.all_reduce(t, group=self.pp_group)
+        return {"ce_loss": t[0].item(), "z_loss": t[1].item()}
 
     def run_callbacks(self) -> dict[str, float]:
         """Run the callbacks due after this step; their metrics as ``eval/<name>``.

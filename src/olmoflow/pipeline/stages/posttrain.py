@@ -28,6 +28,7 @@ from olmoflow.pipeline.stages.common import (
     stage_dir,
     stage_enabled,
 )
+from olmoflow.train.config import LAYOUT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def generated_data(cfg: RunConfig, stage: str, out: Path) -> list[str]:
 
 TRAIN_BOOKKEEPING_KEYS = ("checkpoint.resume_from", "checkpoint.save_interval",
                           "checkpoint.keep_every", "checkpoint.keep_last", "num_threads",
-                          "log.interval", "log.detailed_interval", "log.loggers")
+                          "log.interval", "log.detailed_interval", "log.loggers", *LAYOUT_KEYS)
 
 
 def _stage(name: str, run, help: str, headline: tuple[str, ...]) -> Stage:

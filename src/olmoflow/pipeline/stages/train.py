@@ -15,6 +15,7 @@ from olmoflow.pipeline.stages.common import (
     token_split,
 )
 from olmoflow.pipeline.stages.eval import in_loop_callback
+from olmoflow.train.config import LAYOUT_KEYS
 
 
 def pretrain_loader(cfg: RunConfig, tok):
@@ -55,7 +56,7 @@ def pretrain_parts(cfg: RunConfig):
     # Under torchrun + FSDP a model too big for every process is built on the meta device and
     # only this rank's shards are allocated; one process trains on the GPU when there is one.
     model = build_on_rank(lambda: build_model(cfg, tok.vocab_size),
-                          cfg.train.parallel.data_parallel)
+                          cfg.train.parallel.method)
     return tok, dataset, loader, model, paths
 
 
@@ -83,7 +84,8 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
 # deleting its checkpoints and training again from step 0.
 TRAIN_BOOKKEEPING = tuple(f"train.{k}" for k in (
     "checkpoint.resume_from", "checkpoint.save_interval", "checkpoint.keep_every",
-    "checkpoint.keep_last", "num_threads", "log.interval", "log.detailed_interval", "log.loggers"))
+    "checkpoint.keep_last", "num_threads", "log.interval", "log.detailed_interval", "log.loggers",
+    *LAYOUT_KEYS))
 
 PRETRAIN = Stage("pretrain", run_pretrain, ("model", "train", "seed"), ("tokenize",),
                  ("parameters", "steps", "tokens", "final_loss", "packing_efficiency"),
