@@ -13,7 +13,7 @@ Tool verbs take no run config:
     olmoflow export hf CHECKPOINT OUT              a step directory -> a Hugging Face directory
     olmoflow export gguf CHECKPOINT OUT.gguf       ... -> one GGUF file for llama.cpp
     olmoflow plot RUN [--out DIR]                  the training log's curves and heatmaps as PNGs
-    olmoflow plan CONFIG --gpus N                  memory per GPU under DDP and FSDP (fits or not)
+    olmoflow plan CONFIG --gpus N [--tp K --pp K]  memory per GPU (DDP, FSDP, 3D layouts), a layout
     olmoflow data run CONFIG                       the data engine (see olmoflow.data.commands)
     olmoflow eval list | info TASK | run --model DIR --tasks SPECS
                                                    evaluation tasks (see olmoflow.eval.cli)
@@ -119,12 +119,21 @@ def _tool_parsers(sub) -> None:
     plot.add_argument("--out", help="where the PNGs go (default: plots/ beside the log)")
     plot.set_defaults(tool=_plot)
 
-    plan = sub.add_parser("plan", help="memory per GPU to train a run config under DDP and FSDP")
+    plan = sub.add_parser("plan", help="memory per GPU to train a run config under DDP and FSDP, "
+                          "and the data x tensor x pipeline layout to use")
     plan.add_argument("config", help="YAML config file or preset name, e.g. olmo3_7b")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    plan.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs (default: 8)")
+    plan.add_argument("--gpus", type=int, default=8, help="GPUs in all (default: 8)")
     plan.add_argument("--gpu-memory-gb", type=float, default=80.0,
                       help="memory of one GPU in GB = 1e9 bytes (default: 80)")
+    plan.add_argument("--tp", type=int, help="fix the tensor-parallel size (default: try all)")
+    plan.add_argument("--pp", type=int, help="fix the pipeline-parallel size (default: try all)")
+    plan.add_argument("--data-parallel", metavar="ddp|fsdp|hsdp",
+                      help="fix the data-parallel method (default: try all)")
+    plan.add_argument("--shard-size", type=int, help="HSDP ranks per shard group")
+    plan.add_argument("--gpus-per-node", type=int, default=8,
+                      help="GPUs per node, the largest tensor-parallel size tried (default: 8)")
+    plan.add_argument("--all", action="store_true", help="list every layout, not the best 12")
     plan.set_defaults(tool=_plan)
 
     merge = sub.add_parser("merge-lora", help="fold a LoRA run's adapters into its base: a "
@@ -230,9 +239,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> None:
     from olmoflow.pipeline.config import load_config
-    from olmoflow.train.plan import plan_config
+    from olmoflow.train.plan_report import plan_config
 
-    print(plan_config(load_config(args.config, args.overrides), args.gpus, args.gpu_memory_gb))
+    print(plan_config(load_config(args.config, args.overrides), args.gpus, args.gpu_memory_gb,
+                      tp=args.tp, pp=args.pp, data_parallel=args.data_parallel,
+                      shard_size=args.shard_size, gpus_per_node=args.gpus_per_node,
+                      show_all=args.all))
 
 
 def _plot(args: argparse.Namespace) -> None:

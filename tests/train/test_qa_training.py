@@ -33,7 +33,7 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
-from olmoflow.train.plan import plan_config
+from olmoflow.train.plan_report import plan_config
 from olmoflow.train.trainer import Trainer
 
 
@@ -301,7 +301,14 @@ def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path)
     same = ["train.checkpoint.keep_last=2", "train.checkpoint.keep_every=10",
             "train.checkpoint.save_interval=3", "train.log.interval=1", "train.num_threads=1",
             "train.log.detailed_interval=5", "train.log.loggers=[tensorboard]",
-            "train.checkpoint.resume_from=latest"]
+            "train.checkpoint.resume_from=latest",
+            # the parallel layout: a checkpoint resumes under another one (tests/train/
+            # test_parallel_3d.py), equal within rounding
+            "train.parallel.data_parallel=fsdp", "train.parallel.shard_size=null",
+            "train.parallel.tensor_parallel=2", "train.parallel.pipeline_parallel=2",
+            "train.parallel.pipeline_schedule=gpipe", "train.parallel.stages_per_rank=1",
+            "train.parallel.pipeline_split=cost", "train.parallel.context_parallel=1",
+            "train.parallel.cpu_offload=false"]
     assert {o.split("=")[0] for o in same} == set(TRAIN_BOOKKEEPING)
     same += ["resume_from=latest", "train.keep_last=2"]  # OLMo's top-level form; an old spelling
     for override in same:
@@ -310,7 +317,8 @@ def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path)
     for override in ["train.max_steps=31", "train.optimizer.lr=1e-3", "train.optimizer.type=muon",
                      "train.packing=best_fit", "train.micro_batch_size=2", "train.precision=bf16",
                      "train.schedule.warmup_steps=3", "train.max_grad_norm=0.5",
-                     "train.data=[elsewhere/tokens]", "seed=1", "model.d_model=32"]:
+                     "train.data=[elsewhere/tokens]", "seed=1", "model.d_model=32",
+                     "train.parallel.param_dtype=bf16"]:
         cfg = load_config("tiny", [override], values=values)
         assert fingerprint(cfg, "pretrain") != base, override
 

@@ -1,5 +1,7 @@
 """The memory plan: bytes per GPU to train an OLMo model under DDP or FSDP2, printed by
-``olmoflow plan CONFIG --gpus N``.
+``olmoflow plan CONFIG --gpus N`` (:mod:`olmoflow.train.plan_report`, which also plans data x
+tensor x pipeline layouts with :mod:`olmoflow.train.plan_layout`, built on the per-token counts
+here).
 
 Every term is a closed form in the model shape and the batch (P parameters, N data-parallel
 ranks, b instances per micro-batch of s tokens; GB = 1e9 bytes):
@@ -12,8 +14,11 @@ ranks, b instances per micro-batch of s tokens; GB = 1e9 bytes):
   2 P_block)``;
 - activations: what autograd keeps for backward, ``b s`` times the per-token bytes of
   :func:`activation_bytes_per_token`, counted from this implementation's block (see below);
-- logits and loss: the ``[b s, V]`` logits and the fp32 log-softmax buffer the backward reuses
-  for the gradient, ``8 V`` bytes per token;
+- LM head and loss (:func:`head_loss_bytes`): in training the model runs them fused, chunk by
+  chunk (:func:`olmoflow.model.loss.linear_lm_loss`): the gradients wrt the head's input (``a d``
+  bytes per token) and weight (fp32, ``4 V d``) and two fp32 ``[rows, V]`` chunk buffers, never
+  the whole logits; where it cannot (tensor or pipeline parallelism) the ``[b s, V]`` logits and
+  the fp32 log-softmax buffer the backward reuses for the gradient, ``8 V`` bytes per token;
 - sliding-window masks: the ``sdpa`` backend's dense ``[s, s]`` masks, ``8 s^2`` (see
   :func:`attention_mask_bytes`);
 - reserve: CUDA context, NCCL buffers and allocator slack, a flat 2 GB.
@@ -78,6 +83,32 @@ def block_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> int:
     return act_bytes * (acts - upcast) + 4 * (upcast + stats)
 
 
+def tp_block_bytes_per_token(cfg: ModelConfig, act_bytes: int, tp: int = 1) -> float:
+    """Bytes one block keeps per token on one of ``tp`` tensor-parallel ranks with sequence
+    parallelism: :func:`block_bytes_per_token` divided by ``tp``, except the attention's and the
+    MLP's inputs, which the column-parallel projections save all-gathered over the whole sequence
+    (``2 d`` per token; Megatron-LM saves them sharded and gathers again in backward, DTensor's
+    ``PrepareModuleInput`` does not). Measured under ``tp=2`` in tests/train/test_plan.py."""
+    block = block_bytes_per_token(cfg, act_bytes)
+    if tp == 1:
+        return float(block)
+    gathered = 2 * cfg.d_model * act_bytes
+    return (block - gathered) / tp + gathered
+
+
+def outside_bytes_per_token(cfg: ModelConfig, tp: int = 1, first: bool = True,
+                            last: bool = True) -> float:
+    """Bytes kept per token outside the blocks on a pipeline stage that is the ``first`` (the
+    embedding output) and/or the ``last`` (the final norm's and LM head's inputs, the loss
+    bookkeeping): ``3 d`` fp32 and 24 bytes in one process. Under tensor parallelism the
+    sequence-parallel tensors divide by ``tp``, the LM head's input is saved all-gathered."""
+    d = cfg.d_model
+    out = 4 * d / tp if first else 0.0
+    if last:
+        out += 4 * d / tp + 4 * d + LOSS_BYTES_PER_TOKEN
+    return out
+
+
 def checkpointed_blocks(n_layers: int, every: int) -> int:
     """How many blocks ``activation_checkpointing=every`` recomputes (blocks 0, every,
     2 every, ...)."""
@@ -106,16 +137,39 @@ def attention_mask_bytes(cfg: ModelConfig, sequence_length: int) -> int:
     return 8 * sequence_length * sequence_length
 
 
+def head_loss_bytes(cfg: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                    fused: bool = True) -> tuple[float, float]:
+    """``(per micro-batch, fixed)`` bytes the LM head and the loss hold at the peak of a step on
+    ``tokens`` tokens. ``fused`` (one process, DDP, FSDP: the model's chunked
+    :func:`~olmoflow.model.loss.linear_lm_loss`): the input's gradient ``tokens * act_bytes *
+    d``, and fixed the fp32 weight gradient ``4 V d`` and the two fp32 chunk buffers ``8 rows
+    V``. Otherwise the ``[tokens, V / tp]`` logits and their log-softmax, ``8 V / tp`` per token."""
+    v, d = cfg.vocab_size, cfg.d_model
+    if not fused:
+        return tokens * LOGITS_BYTES_PER_VOCAB * v / tp, 0.0
+    from olmoflow.model.loss import CHUNK_LOGITS, CHUNK_MIN_ROWS
+
+    rows = max(CHUNK_MIN_ROWS, CHUNK_LOGITS // v)  # a chunk's rows (fewer when tokens are)
+    return float(tokens * act_bytes * d), float(4 * v * d + 8 * rows * v)
+
+
 def saved_activation_bytes(cfg: ModelConfig, micro_batch_size: int, sequence_length: int,
-                           act_bytes: int = 4) -> int:
+                           act_bytes: int = 4, tp: int = 1) -> float:
     """Bytes of the tensors autograd saves in one forward (no checkpointing): blocks, the
     ``3 d`` outside them and the fp32 log-softmax ``V``, for
-    ``[micro_batch_size, sequence_length]``.
-    What ``saved_tensors_hooks`` sees; the plan adds the logits kept by the caller on top."""
-    per_token = (cfg.n_layers * block_bytes_per_token(cfg, act_bytes)
-                 + OUTSIDE_BYTES_PER_D * cfg.d_model + LOSS_BYTES_PER_TOKEN + 4 * cfg.vocab_size)
+    ``[micro_batch_size, sequence_length]``, on one of ``tp`` tensor-parallel ranks (sequence
+    parallel: :func:`tp_block_bytes_per_token`, :func:`outside_bytes_per_token`, the log-softmax
+    ``/ tp``; one process: the fused head's two gradients instead, :func:`head_loss_bytes`). What
+    ``saved_tensors_hooks`` sees; the plan adds the logits kept by the caller and the chunks."""
+    per_token = (cfg.n_layers * tp_block_bytes_per_token(cfg, act_bytes, tp)
+                 + outside_bytes_per_token(cfg, tp))
+    tokens = micro_batch_size * sequence_length
+    if tp == 1:  # the fused head saves its two gradients
+        head = tokens * act_bytes * cfg.d_model + 4 * cfg.vocab_size * cfg.d_model
+    else:  # the vocabulary-parallel loss saves the log-softmax of its shard
+        head = tokens * 4 * cfg.vocab_size / tp
     rope_tables = (2 if cfg.yarn_factor else 1) * 2 * sequence_length * cfg.hd * 4  # fp32 cos, sin
-    return (micro_batch_size * sequence_length * per_token + rope_tables
+    return (tokens * per_token + head + rope_tables
             + attention_mask_bytes(cfg, sequence_length))
 
 
@@ -125,7 +179,8 @@ class MemoryPlan:
 
     ``activations`` and ``activations_checkpointed`` are for one micro-batch of
     ``micro_batch_size`` x ``sequence_length`` tokens without / with activation checkpointing
-    (``checkpointing`` = recompute every n-th block); ``logits`` likewise.
+    (``checkpointing`` = recompute every n-th block); ``logits`` likewise (the part of the LM
+    head and loss that grows with the micro-batch; ``loss_buffers`` the part that does not).
     """
 
     data_parallel: str
@@ -143,12 +198,13 @@ class MemoryPlan:
     logits: float
     attention_masks: float = 0.0
     reserve: float = RESERVE_BYTES
+    loss_buffers: float = 0.0
 
     @property
     def static(self) -> float:
         """Bytes that do not depend on the micro-batch size."""
         return (self.weights + self.gradients + self.optimizer + self.fsdp_buffers
-                + self.attention_masks + self.reserve)
+                + self.attention_masks + self.reserve + self.loss_buffers)
 
     def total(self, checkpointed: bool) -> float:
         act = self.activations_checkpointed if checkpointed else self.activations
@@ -172,7 +228,9 @@ def memory_plan(cfg: ModelConfig, *, world_size: int, data_parallel: str, micro_
 
     Args:
         cfg: the model shape (``vocab_size`` must be set).
-        world_size: data-parallel ranks (GPUs); data_parallel: ``ddp`` or ``fsdp``.
+        world_size: data-parallel ranks (GPUs); data_parallel: ``ddp`` or ``fsdp`` (``hsdp``,
+            whose shard size this plan does not take, is counted replicated: an upper bound;
+            :mod:`olmoflow.train.plan_layout` plans it).
         micro_batch_size, sequence_length: one micro-batch, in instances and tokens per instance.
         precision: activation precision: ``bf16``/``auto`` (2-byte activations) or ``fp32``.
         checkpointing: the activation-checkpointing setting the "checkpointed" column uses
@@ -199,6 +257,7 @@ def memory_plan(cfg: ModelConfig, *, world_size: int, data_parallel: str, micro_
         p_block = (non_emb - cfg.d_model) / cfg.n_layers
         buffers = 2 * 4 * (p_root + 2 * p_block)
     tokens = micro_batch_size * sequence_length
+    head, head_fixed = head_loss_bytes(cfg, tokens, act_bytes)
     return MemoryPlan(
         data_parallel=data_parallel, world_size=world_size, params=p,
         micro_batch_size=micro_batch_size, sequence_length=sequence_length,
@@ -208,7 +267,7 @@ def memory_plan(cfg: ModelConfig, *, world_size: int, data_parallel: str, micro_
         activations=tokens * activation_bytes_per_token(cfg, act_bytes, 0),
         activations_checkpointed=tokens * activation_bytes_per_token(cfg, act_bytes,
                                                                      max(1, checkpointing)),
-        logits=tokens * LOGITS_BYTES_PER_VOCAB * cfg.vocab_size,
+        logits=head, loss_buffers=head_fixed,
         attention_masks=attention_mask_bytes(cfg, sequence_length),
     )
 
@@ -232,7 +291,7 @@ def format_plans(plans: list[MemoryPlan], gpu_memory_gb: float, title: str = "")
         ("FSDP unsharded buffers", [_gb(p.fsdp_buffers) for p in plans]),
         ("activations, no checkpointing", [_gb(p.activations) for p in plans]),
         (f"activations, checkpointing {ac}", [_gb(p.activations_checkpointed) for p in plans]),
-        ("logits + loss buffers", [_gb(p.logits) for p in plans]),
+        ("LM head + loss (fused, chunked)", [_gb(p.logits + p.loss_buffers) for p in plans]),
         ("sliding-window masks (sdpa)", [_gb(p.attention_masks) for p in plans]),
         ("reserve (CUDA context, NCCL, slack)", [_gb(p.reserve) for p in plans]),
         ("total, no checkpointing", [_gb(p.total(False)) for p in plans]),
@@ -259,49 +318,3 @@ def format_plans(plans: list[MemoryPlan], gpu_memory_gb: float, title: str = "")
     for name, vals in rows:
         lines.append(f"| {name:<{w}} | " + " | ".join(f"{v:>{cw}}" for v in vals) + " |")
     return "\n".join(lines)
-
-
-def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0) -> str:
-    """``olmoflow plan``: the DDP and FSDP plans of a run config on ``gpus`` GPUs, as text.
-
-    A model ``vocab_size`` of 0 (taken from the tokenizer at pretrain time) is planned as the
-    vocabulary the run will have: that of the ``train.data`` tokens' tokenizer when given, else
-    ``tokenizer.vocab_size``, padded to ``model.vocab_pad_multiple``. The activation-checkpointing
-    column uses
-    ``train.activation_checkpointing`` (every block when it is 0).
-
-    Raises:
-        OlmoflowError: ``gpus`` < 1 or ``gpu_memory_gb`` <= 0.
-    """
-    from dataclasses import replace
-
-    if gpus < 1:
-        raise OlmoflowError(f"--gpus must be >= 1, got {gpus}")
-    if not 0 < gpu_memory_gb < float("inf"):
-        raise OlmoflowError(f"--gpu-memory-gb must be a number of GB > 0, got {gpu_memory_gb}")
-    mc = run_cfg.model
-    if mc.vocab_size <= 0:
-        mc = replace(mc, vocab_size=mc.padded_vocab_size(_tokenizer_vocab(run_cfg)))
-    t = run_cfg.train
-    if t.global_batch_size % gpus:
-        raise OlmoflowError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                            f"--gpus {gpus}; each GPU takes an equal slice")
-    per_rank = t.global_batch_size // gpus
-    mb = min(t.micro_batch_size, per_rank)
-    plans = [memory_plan(mc, world_size=gpus, data_parallel=dp, micro_batch_size=mb,
-                         sequence_length=t.sequence_length, precision=t.precision,
-                         checkpointing=t.activation_checkpointing or 1)
-             for dp in ("ddp", "fsdp")]
-    accum = per_rank // mb if per_rank % mb == 0 else None
-    title = (f"memory plan: {gpus} GPU(s) of {gpu_memory_gb:g} GB; global batch "
-             f"{t.global_batch_size} x {t.sequence_length} tokens = {per_rank} per GPU"
-             + (f" = {accum} micro-batch(es) of {mb}" if accum else ""))
-    return format_plans(plans, gpu_memory_gb, title)
-
-
-def _tokenizer_vocab(run_cfg) -> int:
-    """The vocabulary size the run's tokenizer has (``train.data``) or will have (``tokenizer``)."""
-    from olmoflow.data.tokenize import open_token_dir
-
-    sizes = [open_token_dir(d).meta.get("vocab_size") for d in run_cfg.train.data]
-    return max([v for v in sizes if isinstance(v, int)], default=run_cfg.tokenizer.vocab_size)
