@@ -14,8 +14,9 @@ Properties:
   (relative): tensor parallelism splits the matmul sums and the norms' statistics into
   per-rank partial sums, pipeline parallelism runs the same micro-batches through the same
   blocks in stages; only rounding differs;
-- a checkpoint saved under tp=2 x dp=2 resumes under dp=4 (FSDP) and one saved under tp=2 x pp=2
-  resumes in one process, and steps 6-10 equal the uninterrupted one-process run (same bound);
+- a checkpoint saved under tp=2 x dp=2 resumes under dp=4 (FSDP), one saved under pp=2 (1F1B)
+  resumes under pp=2 interleaved (each rank then holds other layers), and one saved under tp=2 x
+  pp=2 resumes in one process; steps 6-10 equal the uninterrupted one-process run (same bound);
 - activation checkpointing composes with them (tp=2 x pp=2 runs with it);
 - bad layouts are one-line errors (the pure-config checks are tested without processes).
 """
@@ -72,6 +73,8 @@ FOUR = {
 }
 # (folder, layout, checkpoint folder copied in first): steps 6-10 resumed under another layout
 RESUMES = {"tp2_dp2_to_dp4": ("tp2_dp2", {"data_parallel": "fsdp"})}
+# On 2 processes: saved by 1F1B (rank 0 holds layers 0-1), resumed interleaved (layers 0 and 2).
+RESUMES_TWO = {"pp2_to_interleaved": ("pp2", TWO["pp2_interleaved"])}
 
 
 def make_trainer(folder: Path, parallel: dict | None = None, resume_from: str | None = None,
@@ -142,6 +145,9 @@ def runs(tmp_path_factory) -> Path:
     make_trainer(root / "single").fit()  # the reference
     two = [{"folder": str(root / n), "parallel": p} for n, p in {**TWO, **MIXED}.items()]
     two.append({"folder": str(root / "tp2_meta"), "parallel": TWO["tp2"], "meta": True})
+    for name, (src, parallel) in RESUMES_TWO.items():
+        two.append({"folder": str(root / name), "parallel": parallel,
+                    "resume_from": f"step{SAVE}", "copy_from": str(root / src)})
     _torchrun(2, {"jobs": two})
     jobs = [{"folder": str(root / n), "parallel": p} for n, p in FOUR.items()]
     # Activation checkpointing recomputes the same forward in backward: the same numbers.
@@ -173,7 +179,7 @@ def test_layout_equals_one_process(runs, name):
     assert m[STEPS]["loss"] < m[1]["loss"] - 0.05  # it learns: not two flat curves
 
 
-@pytest.mark.parametrize("name", [*RESUMES, "tp2_pp2_to_one"])
+@pytest.mark.parametrize("name", [*RESUMES, *RESUMES_TWO, "tp2_pp2_to_one"])
 def test_checkpoint_moves_between_layouts(runs, name):
     assert sorted(metrics(runs / name)) == list(range(1, STEPS + 1))
     assert_same(runs / name, runs / "single", range(SAVE + 1, STEPS + 1))
@@ -208,6 +214,14 @@ def test_layout_checks():
     with pytest.raises(OlmoflowError, match="data_parallel=4 x tensor_parallel=2"):
         resolve_layout(ParallelConfig(data_parallel=4, tensor_parallel=2), 4)
     assert resolve_layout(ParallelConfig(data_parallel=2, tensor_parallel=2), 4).dp == 2
+    with pytest.raises(OlmoflowError, match="data_parallel=4 x tensor_parallel=1"):
+        resolve_layout(ParallelConfig(data_parallel=4), 2)  # an integer degree is checked alone
+    with pytest.raises(OlmoflowError, match="world size 1 .*torchrun --nproc_per_node"):
+        resolve_layout(ParallelConfig(pipeline_parallel=2), 1)
+    with pytest.raises(OlmoflowError, match="train.compile is not supported"):
+        check_layout(resolve_layout(ParallelConfig(tensor_parallel=2), 2), cfg,
+                     TrainConfig(sequence_length=SEQ, global_batch_size=BATCH,
+                                 micro_batch_size=2, compile=True))
     hsdp = resolve_layout(ParallelConfig(data_parallel="hsdp", shard_size=2), 8)
     assert (hsdp.dp_replicate, hsdp.dp_shard) == (4, 2)
     with pytest.raises(OlmoflowError, match="model.n_kv_heads=2"):

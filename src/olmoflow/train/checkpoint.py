@@ -43,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -125,6 +126,19 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
+# The optimizer state flattened to one entry per parameter name (``optim.state.<fqn>.exp_avg``,
+# ``optim.param_groups.<fqn>.lr``), as torchtitan saves it: under pipeline parallelism each rank
+# holds other parameters, and a nested ``param_groups`` list would be saved from one rank only.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _saved_flat(path: Path) -> bool:
+    """Whether the checkpoint's optimizer state is flattened (:data:`FLAT`); checkpoints saved
+    before it was are nested and load as they were saved."""
+    meta = dcp.FileSystemReader(str(Path(path) / "model_and_optim")).read_metadata()
+    return "optim.param_groups" not in meta.state_dict_metadata
+
+
 def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimizer,
                     trainer_state: dict[str, Any], config_yaml: str, *, stage: str = "stage1",
                     loss: float | None = None, keep_every: int = 0, keep_last: int = 0) -> Path:
@@ -153,7 +167,7 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=FLAT)
     try:
         with writing(final / "model_and_optim"):
             dcp.save({"model": model_state, "optim": optim_state},
@@ -472,10 +486,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, *,
         verify_checkpoint(path, collective=True)
     trainer_state = read_trainer_state(path)  # before any tensor changes: a bad file changes none
     optimizers = _optimizers(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizers)
+    try:
+        options = FLAT if _saved_flat(path) else None
+    except Exception as e:  # a damaged .metadata
+        raise _unreadable(path, "model_and_optim", e) from None
+    model_state, optim_state = get_state_dict(model, optimizers, options=options)
     _dcp_load(path, {"model": model_state, "optim": optim_state},
               lambda st: set_state_dict(model, optimizers, model_state_dict=st["model"],
-                                        optim_state_dict=st["optim"]))
+                                        optim_state_dict=st["optim"], options=options))
     set_rng_state(trainer_state.pop("rng"))
     return trainer_state
 

@@ -152,7 +152,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig):
         hidden = muon_params(model)
         if any(hasattr(p, "placements") for p in hidden):  # DTensor shards (FSDP2)
             raise OlmoflowError("train.optimizer=muon needs whole matrices (Newton-Schulz), not "
-                                "FSDP shards; use train.parallel.data_parallel=ddp")
+                                "DTensor shards (FSDP2 or tensor parallelism); use "
+                                "train.parallel.data_parallel=ddp with tensor_parallel=1")
         hidden_ids = {id(p) for p in hidden}
         groups = [{**g, "params": [p for p in g["params"] if id(p) not in hidden_ids]}
                   for g in param_groups(model, cfg.weight_decay)]

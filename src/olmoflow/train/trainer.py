@@ -103,6 +103,9 @@ class Trainer:
             model.activation_checkpointing = cfg.activation_checkpointing
         # The data-parallel view (rank, size and group of the data-parallel ranks): it slices
         # the global batch and normalises the loss. The whole world without model parallelism.
+        from olmoflow.train.parallel.layout import resolve_layout
+
+        resolve_layout(cfg.parallel, self.dist.world_size)  # an integer data_parallel is checked
         self.dp, self.pipeline, self.pp_group = self.dist, None, None
         self.layout = None  # a parallel.layout.Layout under tensor/pipeline parallelism or HSDP
         if cfg.parallel.model_parallel or cfg.parallel.method == "hsdp":
@@ -122,14 +125,22 @@ class Trainer:
                        if cfg.parallel.method == "fsdp" and self.dist.world_size > 1 else None)
             self.model = model = distributed.parallelize(model, cfg.parallel.method, self.dist,
                                                          options)
+        fsdp = (self.layout.dp > 1 if self.layout is not None
+                else cfg.parallel.method == "fsdp" and self.dist.world_size > 1)
+        if not fsdp and (cfg.parallel.param_dtype == "bf16" or cfg.parallel.cpu_offload):
+            key = "param_dtype=bf16" if cfg.parallel.param_dtype == "bf16" else "cpu_offload"
+            raise OlmoflowError(f"train.parallel.{key} is a setting of FSDP2, which this run does "
+                                "not use (it needs data_parallel=fsdp or hsdp over more than one "
+                                "data-parallel rank); for bf16 compute use train.precision=bf16")
         if cfg.parallel.model_parallel and not isinstance(self.objective, LMObjective):
             raise OlmoflowError(f"the '{self.objective.name}' objective reads whole-vocabulary "
                                 "logits; train.parallel.tensor_parallel and pipeline_parallel > 1 "
                                 "train language-modelling objectives (pretraining, SFT) only")
         if self.callbacks and cfg.parallel.model_parallel:
             raise OlmoflowError("in-loop evaluation runs the whole model in one process; under "
-                                "train.parallel.tensor_parallel or pipeline_parallel > 1 evaluate "
-                                "the checkpoints after training instead (olmoflow evaluate)")
+                                "train.parallel.tensor_parallel or pipeline_parallel > 1 turn it "
+                                "off (evaluate.in_loop.interval=0) and evaluate the checkpoints "
+                                "after training (olmoflow evaluate)")
         self.per_rank_batch = distributed.per_rank_batch(
             cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dp)
         self.optimizer = build_optimizer(model, cfg.optimizer)
@@ -334,7 +345,8 @@ class Trainer:
         if "doc_ids" in fields:
             raise OlmoflowError("intra-document masking (doc_ids in the batch) is not supported "
                                 "with train.parallel.pipeline_parallel > 1: the stages pass "
-                                "hidden states only")
+                                "hidden states only; train without it (train."
+                                "intra_document_masking=false; for SFT sft.packing=false)")
         with autocast:
             totals = self.pipeline.step(fields["input_ids"].to(device),
                                         fields["labels"].to(device), normalizer)

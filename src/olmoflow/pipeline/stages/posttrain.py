@@ -194,7 +194,11 @@ def train_posttrain(cfg: RunConfig, stage: str, base: Base, loader: Any, objecti
         settings = LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                 targets=tuple(lora.targets),
                                 quantize=None if lora.quantize == "none" else lora.quantize)
-        model = apply_lora(model, settings)
+        # The adapters' random init from the run's seed: two runs of one config train alike.
+        gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=gpus):
+            torch.manual_seed(cfg.seed)
+            model = apply_lora(model, settings)
         # beside the checkpoints: every reader of them (export, release, the next stage) wraps,
         # loads and merges
         write_lora_settings(out, settings)

@@ -108,6 +108,13 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, info, autocast) -> Par
         raise OlmoflowError("tensor and pipeline parallelism need an olmoflow Olmo model, got "
                             f"{type(model).__name__}")
     check_layout(layout, model.config, cfg)
+    if layout.tp > 1:
+        wrapped = sorted({type(m).__name__ for b in model.blocks for m in b.modules()
+                          if isinstance(m, nn.Linear) and type(m) is not nn.Linear})
+        if wrapped or getattr(model, "lora_settings", None) is not None:
+            raise OlmoflowError("train.parallel.tensor_parallel > 1 shards plain linear layers; "
+                                f"this model's are wrapped ({', '.join(wrapped) or 'LoRA'}): "
+                                "train LoRA adapters with data or pipeline parallelism")
     # A model too big to build whole on every rank comes on the meta device (build_on_rank):
     # it is laid out first and only this rank's shards are allocated and initialised.
     meta = any(p.is_meta for p in model.parameters())

@@ -64,8 +64,10 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> Layout:
     p = "train.parallel"
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
     if world_size % (tp * pp):
+        hint = (f"; launch {tp * pp} or a multiple of processes with torchrun "
+                f"--nproc_per_node=N" if world_size < tp * pp else "")
         raise OlmoflowError(f"{p}.tensor_parallel={tp} x pipeline_parallel={pp} does not divide "
-                            f"the world size {world_size} (processes)")
+                            f"the world size {world_size} (processes){hint}")
     dp = world_size // (tp * pp)
     if parallel.degree is not None and parallel.degree != dp:
         raise OlmoflowError(f"{p}: data_parallel={parallel.degree} x tensor_parallel={tp} x "
@@ -101,11 +103,17 @@ def check_layout(layout: Layout, model: ModelConfig, train: TrainConfig) -> None
         for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                            ("mlp_hidden", model.mlp_hidden), ("vocab_size", model.vocab_size)):
             if value % tp:
+                pad = (" (the tokenizer's vocabulary padded to model.vocab_pad_multiple)"
+                       if key == "vocab_size" else "")
                 raise OlmoflowError(f"{p}.tensor_parallel={tp} does not divide model.{key}="
-                                    f"{value}; each rank holds an equal share")
+                                    f"{value}{pad}; each rank holds an equal share")
         if train.sequence_length % tp:
             raise OlmoflowError(f"{p}.tensor_parallel={tp} does not divide train.sequence_length="
                                 f"{train.sequence_length} (sequence parallelism shards it)")
+    if train.compile and tp > 1:
+        raise OlmoflowError("train.compile is not supported with "
+                            f"{p}.tensor_parallel > 1 yet (compiled blocks over DTensor "
+                            "shards); set train.compile=false")
     if train.log.detailed_interval and (tp > 1 or pp > 1):
         raise OlmoflowError("train.log.detailed_interval (per-layer metrics) needs "
                             f"{p}.tensor_parallel=1 and pipeline_parallel=1; set it to 0")
@@ -121,7 +129,8 @@ def check_layout(layout: Layout, model: ModelConfig, train: TrainConfig) -> None
                             f"model.n_layers={model.n_layers}; at least one layer per stage")
     if train.intra_document_masking:
         raise OlmoflowError("train.intra_document_masking is not supported with "
-                            f"{p}.pipeline_parallel > 1 (the stages pass hidden states only)")
+                            f"{p}.pipeline_parallel > 1 (the stages pass hidden states only); "
+                            "set it to false")
     per_rank = train.global_batch_size // layout.dp
     micro = per_rank // train.micro_batch_size
     if micro < pp:
