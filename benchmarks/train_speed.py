@@ -8,7 +8,9 @@ clipping (1.0) and number of steps:
 
 - ours: ``Trainer.train_step`` (what ``Trainer.fit`` runs per step: lr schedule, accumulation
   normalised by the global batch, clipping, fused AdamW) on :class:`~olmoflow.model.olmo.Olmo`
-  (fused CE + z-loss; the detailed log off, as in a default run);
+  (the LM head and CE + z-loss run chunk by chunk over the tokens, never materialising the
+  logits: :func:`~olmoflow.model.loss.linear_lm_loss`; the detailed log off, as in a default
+  run);
 - transformers: ``Olmo3ForCausalLM`` (sdpa attention, fp32) in the loop one writes by hand:
   ``model(input_ids, labels).loss.backward()``, clip, ``torch.optim.AdamW`` (its default foreach
   kernel), ``LambdaLR``; no z-loss (transformers has none).

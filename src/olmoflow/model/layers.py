@@ -96,11 +96,69 @@ def fused_weight(linears: Sequence[nn.Module]) -> torch.Tensor | None:
     return (weights[0] if len(weights) == 1 else torch.cat(weights)).t().contiguous()
 
 
+def _cpu_rms_parts(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xhat, rstd)`` of fp32 ``x [..., n]``: ``rstd = rsqrt(|x|^2 / n + eps)`` ``[..., 1]``
+    with the norm from one ``vector_norm`` kernel (as :func:`inference_rms_norm`), ``xhat = x *
+    rstd``."""
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    rstd = torch.addcmul(_eps_tensor(eps), n, n, value=1.0 / x.shape[-1]).rsqrt_()
+    return x * rstd, rstd
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """fp32 RMSNorm on CPU with its own backward, in fewer passes over memory than
+    ``F.rms_norm`` (there a composite of about six kernels, three of them allocating a copy of
+    ``x``, whose backward autograd retraces op by op: PyTorch has no fused RMSNorm backward on
+    CPU).
+
+    Forward: :func:`_cpu_rms_parts`, then ``out = xhat * w``. Backward, with ``gh = g * w``:
+    ``grad_x = rstd * (gh - xhat * mean(gh * xhat))``, ``grad_w = sum(g * xhat)`` over all but
+    the last dimension.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xhat, rstd = _cpu_rms_parts(x, eps)
+        ctx.save_for_backward(xhat, weight, rstd)
+        return xhat * weight
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, weight, rstd = ctx.saved_tensors
+        d = xhat.shape[-1]
+        grad_x = grad_w = tmp = None
+        if ctx.needs_input_grad[1]:
+            tmp = g * xhat
+            grad_w = tmp.reshape(-1, d).sum(0)
+        if ctx.needs_input_grad[0]:
+            gh = g * weight if tmp is None else torch.mul(g, weight, out=tmp)  # tmp is spent
+            m = torch.linalg.vecdot(gh, xhat).unsqueeze_(-1).div_(d)
+            grad_x = gh.addcmul_(xhat, m, value=-1).mul_(rstd)
+        return grad_x, grad_w, None
+
+
+# The CPU-only eager RMSNorm with its own backward (:class:`_RMSNormFn`). False traces the
+# plain ops the GPU runs instead: the memory plan (olmoflow.train.plan) counts what they save.
+CPU_FUSED_RMS_NORM = True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm`'s computation as a function: ``[..., size]`` -> the same shape and dtype
-    (``weight [size]``)."""
+    (``weight [size]``).
+
+    fp32 on CPU, eager: :func:`_cpu_rms_parts` times the weight (``F.rms_norm``'s value within
+    an ulp or two: ``|x|^2`` is rounded once more), the same numbers with or without autograd,
+    whose backward is :class:`_RMSNormFn`'s. Elsewhere ``F.rms_norm`` (fused on GPU; under
+    ``torch.compile`` the compiler fuses it with its neighbours).
+    """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # All fp32: both orders agree, and PyTorch's fused kernel saves a few launches a call.
+        # All fp32: both orders agree. Plain tensors only: DTensors (tensor parallelism) go
+        # through F.rms_norm's sharding rules.
+        if (CPU_FUSED_RMS_NORM and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not hasattr(x, "placements") and not hasattr(weight, "placements")):
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return _RMSNormFn.apply(x, weight, eps)
+            return _cpu_rms_parts(x, eps)[0].mul_(weight)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     x32 = x.float()
@@ -109,6 +167,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 _EPS: dict[float, torch.Tensor] = {}
+
+
+def _eps_tensor(eps: float) -> torch.Tensor:
+    """``eps`` as a CPU fp32 0-dim tensor, made once: usable as a scalar operand on any device."""
+    eps_t = _EPS.get(eps)
+    if eps_t is None:
+        eps_t = _EPS[eps] = torch.tensor(eps, dtype=torch.float32)
+    return eps_t
 
 
 def inference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -127,9 +193,7 @@ def inference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
         y = rms_norm(x, weight, eps)
         return y if residual is None else residual + y
-    eps_t = _EPS.get(eps)
-    if eps_t is None:  # a CPU 0-dim tensor: usable as a scalar operand on any device
-        eps_t = _EPS[eps] = torch.tensor(eps, dtype=torch.float32)
+    eps_t = _eps_tensor(eps)
     n = torch.linalg.vector_norm(x, dim=tuple(range(-dims, 0)), keepdim=True)
     size = math.prod(x.shape[-dims:])
     y = torch.mul(x, torch.addcmul(eps_t, n, n, value=1.0 / size).rsqrt_())
@@ -271,11 +335,57 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` over half-width views, without the concatenation:
+    ``[x1 c1 - x2 s1, x2 c2 + x1 s2]``; fp32, any broadcastable shapes."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    # x's own layout when it has the output's shape: q and k arrive as [B, H, T, hd] views of
+    # [B, T, H, hd] and are read and written in memory order.
+    out = (torch.empty_like(x, dtype=torch.float32) if shape == x.shape
+           else torch.empty(shape, dtype=torch.float32, device=x.device))
+    torch.mul(x1, c1, out=out[..., :h]).addcmul_(x2, s1, value=-1)
+    torch.mul(x2, c2, out=out[..., h:]).addcmul_(x1, s2)
+    return out
+
+
+class _RotaryFn(torch.autograd.Function):
+    """RoPE as one autograd node: the rotation is linear in ``x``, so the backward is the
+    transposed rotation, ``_rotate(g, cos, sin')`` with ``sin' = [-s2, -s1]``, four half-width
+    kernels instead of autograd's trail through the chunk, negation and concatenation."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotate(x if x.dtype == torch.float32 else x.float(), cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        h = sin.shape[-1] // 2
+        sin_t = torch.cat((-sin[..., h:], -sin[..., :h]), -1)
+        return _rotate(g, cos, sin_t).to(ctx.dtype), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B|1, T, hd]``, in fp32, returning x's dtype."""
+    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B|1, T, hd]``, in fp32, returning x's dtype.
+
+    ``x * cos + rotate_half(x) * sin``; eagerly over half-width views (:func:`_rotate`), with its
+    own backward when autograd records; as written above under ``torch.compile``, which fuses it.
+    """
     cos, sin = cos[:, None], sin[:, None]
-    x32 = x.float()
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    if torch.compiler.is_compiling():
+        x32 = x.float()
+        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    if torch.is_grad_enabled() and x.requires_grad and not (cos.requires_grad
+                                                            or sin.requires_grad):
+        out = _RotaryFn.apply(x, cos, sin)
+    else:
+        out = _rotate(x if x.dtype == torch.float32 else x.float(), cos, sin)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor,

@@ -58,7 +58,8 @@ class InferenceWeights:
 
 @dataclass
 class OlmoOutput:
-    """``logits [B, T, V]`` (None when not asked for; the hidden states ``[B, T, d_model]`` with
+    """``logits [B, T, V]`` (None when not asked for: a training forward with labels, see
+    :meth:`Olmo.forward`'s ``return_logits``; the hidden states ``[B, T, d_model]`` with
     ``return_hidden``); the losses are scalars (None without labels).
 
     ``loss = ce_loss + z_loss``, each already divided by the normalizer (see :meth:`Olmo.forward`).
@@ -203,6 +204,7 @@ class Olmo(nn.Module):
         loss_normalizer: float | None = None,
         last_logits_only: bool = False,
         return_hidden: bool = False,
+        return_logits: bool = False,
     ) -> OlmoOutput:
         """Run the decoder.
 
@@ -227,6 +229,10 @@ class Olmo(nn.Module):
             return_hidden: skip the LM head: ``.logits`` holds the final-norm hidden states
                 ``[B, T, d_model]``, for a caller that applies ``lm_head`` to the positions it
                 needs only (evaluation scores continuation tokens, not padding). No labels.
+            return_logits: with labels, return the logits too. Without it a training forward
+                (autograd recording, a plain ``nn.Linear`` head, no :attr:`lm_loss_fn`) runs
+                the head and the loss chunk by chunk (:func:`~olmoflow.model.loss.linear_lm_loss`:
+                the ``[B, T, V]`` logits never exist) and ``.logits`` is None.
 
         With a cache, in eval mode, without labels and without autograd (``torch.no_grad`` or
         ``torch.inference_mode``; not while ``torch.compile`` traces) the forward takes the
@@ -294,7 +300,8 @@ class Olmo(nn.Module):
             x = x[:, -1:]
         if return_hidden:
             return OlmoOutput(x)
-        if labels is not None and self.lm_loss_fn is None and fused_head_applies(self.lm_head, x):
+        if (labels is not None and not return_logits and self.lm_loss_fn is None
+                and fused_head_applies(self.lm_head, x)):
             # Training: the head and the loss chunk by chunk, never the whole [B, T, V] logits.
             loss, ce, z = linear_lm_loss(x, self.lm_head.weight, labels, self.config.z_loss,
                                          loss_normalizer)
