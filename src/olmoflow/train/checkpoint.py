@@ -127,21 +127,26 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 
 # The optimizer state flattened to one entry per parameter name (``optim.state.<fqn>.exp_avg``,
-# ``optim.param_groups.<fqn>.lr``), as torchtitan saves it: under pipeline parallelism each rank
-# holds other parameters, and a nested ``param_groups`` list would be saved from one rank only.
+# ``optim.param_groups.<fqn>.lr``), as torchtitan saves it under pipeline parallelism: there each
+# rank holds other parameters, and a nested ``param_groups`` list would be saved from one rank
+# only. Other layouts keep the nested form (torch cannot flatten an empty parameter group, which
+# a LoRA model's frozen norms leave); either form loads under any layout.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _saved_flat(path: Path) -> bool:
-    """Whether the checkpoint's optimizer state is flattened (:data:`FLAT`); checkpoints saved
-    before it was are nested and load as they were saved."""
+    """Whether the checkpoint's optimizer state is flattened (:data:`FLAT`: its groups keyed by
+    parameter name, ``optim.param_groups.<fqn>.lr``) rather than nested (a list of groups,
+    which the checkpoint stores as ``optim.param_groups.<i>.lr``)."""
     meta = dcp.FileSystemReader(str(Path(path) / "model_and_optim")).read_metadata()
-    return "optim.param_groups" not in meta.state_dict_metadata
+    nested = re.compile(r"optim\.param_groups\.\d+\.")
+    return not any(nested.match(k) for k in meta.state_dict_metadata)
 
 
 def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimizer,
                     trainer_state: dict[str, Any], config_yaml: str, *, stage: str = "stage1",
-                    loss: float | None = None, keep_every: int = 0, keep_last: int = 0) -> Path:
+                    loss: float | None = None, keep_every: int = 0, keep_last: int = 0,
+                    flat_optimizer: bool = False) -> Path:
     """Write the checkpoint of ``step``, prune by policy, update the index, point ``latest`` at it.
 
     Args:
@@ -150,6 +155,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         loss: the training loss at this step, recorded in ``checkpoints.csv`` (6 decimals) and,
             exactly, in the trainer state (:func:`checkpoint_loss` reads it back).
         keep_every, keep_last: see :func:`prune_checkpoints`.
+        flat_optimizer: save the optimizer state flattened per parameter name (:data:`FLAT`;
+            needed under pipeline parallelism).
     Returns:
         The checkpoint directory.
     Raises:
@@ -167,7 +174,8 @@ def save_checkpoint(save_folder: Path, step: int, model: torch.nn.Module, optimi
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=FLAT)
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer),
+                                              options=FLAT if flat_optimizer else None)
     try:
         with writing(final / "model_and_optim"):
             dcp.save({"model": model_state, "optim": optim_state},

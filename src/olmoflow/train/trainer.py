@@ -191,7 +191,8 @@ class Trainer:
         c = self.cfg.checkpoint
         path = save_checkpoint(self.save_folder, self.step, self.model, self.optimizer,
                                self.state(), self.config_yaml, stage=c.stage, loss=self.last_loss,
-                               keep_every=c.keep_every, keep_last=c.keep_last)
+                               keep_every=c.keep_every, keep_last=c.keep_last,
+                               flat_optimizer=self.pipeline is not None)
         self.saved = (self.step, path)
         return path
 
