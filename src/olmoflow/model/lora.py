@@ -209,6 +209,12 @@ def _quantized_linear(bnb, lin: nn.Linear, quantize: str) -> nn.Module:
         q = cls(lin.in_features, lin.out_features, bias=False, compute_dtype=w.dtype,
                 quant_type="nf4")
         q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
+        # On CPUs with AVX512-BF16, bitsandbytes repacks the weight in place at the first
+        # no-grad eval forward (a faster layout whose quant state our dense state dict and the
+        # derived-weight stamps do not know, and which fails for small layers): keep the one
+        # NF4 layout on every CPU, so QLoRA computes and checkpoints alike everywhere.
+        if hasattr(q, "support_avx512bf16_for_cpu"):
+            q.support_avx512bf16_for_cpu = False
     else:
         q = cls(lin.in_features, lin.out_features, bias=False, has_fp16_weights=False,
                 threshold=0.0)
