@@ -36,7 +36,7 @@ import logging
 import os
 import sys
 
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, Terminated
 from olmoflow.pipeline.stages import STAGES
 
 EXIT_USAGE = 2
@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except OlmoflowError as e:
         print(f"olmoflow: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated as e:
+        print("olmoflow: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("olmoflow: interrupted", file=sys.stderr)
         return 130

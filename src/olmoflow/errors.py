@@ -15,6 +15,15 @@ class OlmoflowError(Exception):
     """An error caused by the user's input; the message is one line that names the problem."""
 
 
+class Terminated(KeyboardInterrupt):
+    """A run stopped by SIGTERM (``kill``, Slurm's ``scancel`` or its time limit, torchrun passing
+    either on) after saving, as Ctrl-C stops one; the CLI exits with ``128 + signum`` (143)."""
+
+    def __init__(self, signum: int = 15):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def closest(name: str, candidates: Iterable[str]) -> str | None:
     """Return the candidate closest to ``name`` (difflib ratio >= 0.5), or None."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)

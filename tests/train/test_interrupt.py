@@ -121,3 +121,36 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path):
     longer, _ = final_state(run)
     assert sorted(longer) == list(range(1, STEPS + 6))
     assert {s: longer[s] for s in losses} == losses
+
+
+def test_sigterm_stops_at_a_step_boundary_saves_and_exits_143(tmp_path):
+    """SIGTERM (``kill``, Slurm's ``scancel`` or time limit; torchrun passes it on to every
+    rank) saves like Ctrl-C: the run stops at a step boundary with a checkpoint there, exits
+    128 + 15, and a rerun resumes from it."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny", TRAIN, {"run_dir": str(run)})
+    run_pipeline(cfg, stages=["collect", "clean", "train-tokenizer", "tokenize"], progress=False)
+    proc = cli(*pretrain_args(run))
+    try:
+        log, deadline = run / "pretrain" / "metrics.jsonl", time.time() + 120
+        while len(logged_steps(log)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the run logged no steps"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+    assert "terminated (SIGTERM) at step" in out and "olmoflow: terminated (SIGTERM)" in err
+    assert "Traceback" not in err
+    stopped = parse_checkpoint_name(resolve_checkpoint(run / "pretrain", "latest").name)
+    assert 3 <= stopped < STEPS and max(logged_steps(log)) == stopped
+
+    more = pretrain_args(run, f"train.max_steps={stopped + 2}", "resume_from=latest")
+    proc = cli(*more)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "[pretrain] resumed" in out
+    assert logged_steps(log) == list(range(1, stopped + 3))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from olmoflow.artifacts import atomic_write_text
 from olmoflow.data.loader import DataLoader
-from olmoflow.errors import OlmoflowError
+from olmoflow.errors import OlmoflowError, Terminated
 from olmoflow.train import distributed
 from olmoflow.train.callbacks import Callback
 from olmoflow.train.checkpoint import (
@@ -385,6 +385,9 @@ class Trainer:
 
         Ctrl-C stops at the next step boundary, saves a checkpoint and raises KeyboardInterrupt, so
         a resume continues exactly where the run stopped; a second Ctrl-C interrupts at once.
+        SIGTERM (``kill``, Slurm's ``scancel`` and time limit, torchrun passing either on) stops
+        and saves the same way and raises :class:`~olmoflow.errors.Terminated`; a second
+        SIGTERM terminates at once.
         """
         cfg = self.cfg
         threads = torch.get_num_threads()
@@ -406,8 +409,8 @@ class Trainer:
                                  self.step)
                     if self.dist.is_main else MetricWriters([]))  # only rank 0 logs
         # Installed after the writers open: a writer that fails to open leaves Ctrl-C as it was.
-        stop = []
-        previous = _install_sigint(lambda *_: (stop.append(True), _install_sigint(previous)))
+        stop: list[int] = []  # the signals received
+        previous = _install_stop_handlers(stop)
         name = self.objective.name
         bar = tqdm(total=cfg.max_steps, initial=self.step,
                    desc="pretrain" if name == LMObjective.name else name, unit="step",
@@ -448,22 +451,47 @@ class Trainer:
                     self.save()
         finally:
             torch.set_num_threads(threads)
-            _install_sigint(previous)
+            _restore_handlers(previous)
             bar.close()
             log_file.close()
         final = self._final_checkpoint()
         if interrupted:
-            print(f"\ninterrupted at step {self.step}: saved {final}; run the same command again "
-                  f"(or add {self.resume_hint}) to resume", flush=True)
-            raise KeyboardInterrupt
+            term = signal.SIGTERM in stop
+            if self.dist.is_main:
+                print(f"\n{'terminated (SIGTERM)' if term else 'interrupted'} at step {self.step}: "
+                      f"saved {final}; run the same command again (or add {self.resume_hint}) "
+                      "to resume", flush=True)
+            raise Terminated(signal.SIGTERM) if term else KeyboardInterrupt
         # last_loss, not the last log line: a resume at max_steps trains and logs nothing.
         return {"steps": self.step, "tokens": self.tokens_seen, "final_loss": self.last_loss,
                 "checkpoint": str(final), "elapsed_s": time.time() - start}
 
 
-def _install_sigint(handler):
-    """Set the SIGINT handler (main thread only) and return the previous one."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _install_stop_handlers(stop: list[int]) -> dict:
+    """Make SIGINT and SIGTERM append their number to ``stop`` (the loop stops at the next step
+    boundary and saves), each once: the handler then puts back the one it replaced, so the
+    same signal again acts at once (a second Ctrl-C interrupts, a second SIGTERM kills).
+    Main thread only (elsewhere nothing is installed); returns the replaced handlers."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGINT,
-                         handler if handler is not None else signal.default_int_handler)
+        return {}
+    previous: dict = {}
+
+    def handler(signum, frame):
+        stop.append(signum)
+        _restore_handlers({signum: previous[signum]})
+
+    for sig in _STOP_SIGNALS:
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_handlers(previous: dict) -> None:
+    """Put back the handlers :func:`_install_stop_handlers` replaced (None, set outside
+    Python, becomes the default)."""
+    for sig, handler in previous.items():
+        if handler is None:
+            handler = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, handler)
