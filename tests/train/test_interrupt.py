@@ -49,6 +49,24 @@ def logged_steps(log: Path) -> list[int]:
     return [json.loads(ln)["step"] for ln in log.read_text().splitlines() if ln.endswith("}")]
 
 
+def signal_mid_run(run: Path, sig: int) -> tuple[subprocess.Popen, str, str]:
+    """Start ``olmoflow pretrain`` on ``run`` and send it ``sig`` once 3 steps are logged;
+    returns the finished process and its output."""
+    proc = cli(*pretrain_args(run))
+    try:
+        log, deadline = run / "pretrain" / "metrics.jsonl", time.time() + 120
+        while len(logged_steps(log)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the run logged no steps"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, out, err
+
+
 def final_state(run: Path) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     log = run / "pretrain" / "metrics.jsonl"
     losses = {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
@@ -73,18 +91,8 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path):
     shutil.rmtree(run / "pretrain")
 
     # Ctrl-C once a few steps are logged: the trainer stops at the step boundary and saves.
-    proc = cli(*pretrain_args(run))
-    try:
-        log, deadline = run / "pretrain" / "metrics.jsonl", time.time() + 120
-        while len(logged_steps(log)) < 3:
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline, "the run logged no steps"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = signal_mid_run(run, signal.SIGINT)
+    log = run / "pretrain" / "metrics.jsonl"
     assert proc.returncode == 130, (out, err)
     assert "interrupted at step" in out and "olmoflow: interrupted" in err
     stopped = parse_checkpoint_name(resolve_checkpoint(run / "pretrain", "latest").name)
@@ -130,18 +138,8 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_exits_143(tmp_path):
     run = tmp_path / "run"
     cfg = load_config("tiny", TRAIN, {"run_dir": str(run)})
     run_pipeline(cfg, stages=["collect", "clean", "train-tokenizer", "tokenize"], progress=False)
-    proc = cli(*pretrain_args(run))
-    try:
-        log, deadline = run / "pretrain" / "metrics.jsonl", time.time() + 120
-        while len(logged_steps(log)) < 3:
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline, "the run logged no steps"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = signal_mid_run(run, signal.SIGTERM)
+    log = run / "pretrain" / "metrics.jsonl"
     assert proc.returncode == 128 + signal.SIGTERM, (out, err)
     assert "terminated (SIGTERM) at step" in out and "olmoflow: terminated (SIGTERM)" in err
     assert "Traceback" not in err
