@@ -350,12 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     except OlmoflowError as e:
         print(f"olmoflow: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Terminated as e:
-        print("olmoflow: terminated (SIGTERM)", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("olmoflow: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # Every rank of a torchrun job stops together: one line says so, not one per rank.
+        term = isinstance(e, Terminated)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"olmoflow: {'terminated (SIGTERM)' if term else 'interrupted'}",
+                  file=sys.stderr)
+        return 128 + e.signum if term else 130
     except BrokenPipeError:
         # `olmoflow data report DIR | head`: the reader left; say nothing more. Point stdout at
         # devnull so the interpreter's final flush does not raise a second time.

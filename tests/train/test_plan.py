@@ -335,6 +335,17 @@ def test_a_pipeline_only_when_it_pays():
     assert [p.layout.name for p in fixed] == ["hsdp4 (shard 2) tp8 pp2"]
     tight = candidate_plans(run.model, 8, **{**kw, "gpu_memory_gb": 1})
     assert not tight[0].fits
+    # A shard size alone fixes HSDP with that shard group.
+    sharded = candidate_plans(run.model, 64, shard_size=4, **kw)
+    assert {(p.layout.data_parallel, p.layout.shard_size) for p in sharded} <= {("hsdp", 4)}
+    assert any(p.layout.tp == 1 for p in sharded)
+
+
+def test_a_tensor_parallel_group_wider_than_a_node_is_named(capsys):
+    assert main(["plan", "olmo3_7b", "--gpus", "64", "--tp", "16"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended")][0]
+    assert "tensor parallelism across nodes (tp 16 > 8 GPUs per node" in line
+    assert "inside a node" not in line
 
 
 def test_bad_layout_flags_are_one_line_errors(capsys):
@@ -350,6 +361,13 @@ def test_bad_layout_flags_are_one_line_errors(capsys):
     assert main(["plan", "olmo3_7b", "--gpus", "64", "--data-parallel", "fsd"]) == 2
     assert capsys.readouterr().err == ("olmoflow: error: unknown --data-parallel 'fsd'; did you "
                                        "mean 'fsdp'?\n")
+    assert main(["plan", "olmo3_7b", "--gpus", "64", "--data-parallel", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "takes a method (ddp, fsdp, hsdp), not a degree ('8')" in err
+    assert main(["plan", "olmo3_7b", "--gpus", "64", "--shard-size", "8",
+                 "--data-parallel", "fsdp"]) == 2
+    assert capsys.readouterr().err == ("olmoflow: error: --shard-size 8 is for --data-parallel "
+                                       "hsdp, not fsdp\n")
 
 
 TP_SHAPE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, mlp_hidden=768,

@@ -486,14 +486,26 @@ def candidate_plans(cfg: ModelConfig, gpus: int, *, tp: int | None = None, pp: i
     :func:`rank_key`.
 
     ``tp`` / ``pp`` / ``data_parallel`` / ``shard_size`` fix that part of the layout (None: try
-    every valid value; TP up to ``gpus_per_node``). ``plan_kw`` goes to :func:`layout_plan`.
+    every valid value; TP up to ``gpus_per_node``); a ``shard_size`` alone implies HSDP.
+    ``plan_kw`` goes to :func:`layout_plan`.
 
     Raises:
         OlmoflowError: a fixed ``tp`` or ``pp`` that does not divide the model or ``gpus``, an
-            unknown method, or no layout whose batch splits.
+            unknown method (or a degree given as one), a shard size with a method other than
+            HSDP, or no layout whose batch splits.
     """
     if data_parallel is not None and data_parallel not in LAYOUT_DATA_PARALLEL:
+        if str(data_parallel).isdigit():
+            raise OlmoflowError(f"--data-parallel takes a method ({', '.join(LAYOUT_DATA_PARALLEL)}"
+                                f"), not a degree ('{data_parallel}'): the data-parallel degree "
+                                "is --gpus / (--tp x --pp)")
         raise unknown_name_error("--data-parallel", data_parallel, LAYOUT_DATA_PARALLEL)
+    if shard_size:  # a shard group exists under HSDP only
+        if data_parallel is None:
+            data_parallel = "hsdp"
+        elif data_parallel != "hsdp":
+            raise OlmoflowError(f"--shard-size {shard_size} is for --data-parallel hsdp, not "
+                                f"{data_parallel}")
     v = stages_per_rank if schedule == "interleaved_1f1b" else 1
     seq = plan_kw.get("sequence_length", 0)
     if tp is not None:

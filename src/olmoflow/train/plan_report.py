@@ -34,10 +34,12 @@ def _short(p: LayoutPlan) -> str:
 
 
 def recommendation(plans: list[LayoutPlan], gpu_memory_gb: float,
-                   current: LayoutPlan | None = None) -> str:
+                   current: LayoutPlan | None = None,
+                   gpus_per_node: int = GPUS_PER_NODE) -> str:
     """One line: the first of ``plans`` (sorted by
     :func:`~olmoflow.train.plan_layout.candidate_plans`) and why, against the run's ``current``
-    layout when given."""
+    layout when given (a tensor-parallel group wider than ``gpus_per_node`` is named as one
+    that spans nodes)."""
     best = plans[0]
     name = best.layout.name
     if not best.fits:
@@ -64,7 +66,10 @@ def recommendation(plans: list[LayoutPlan], gpu_memory_gb: float,
     else:
         why.append(f"the fewest pipeline stages within {PIPELINE_MARGIN:.0%} of the fastest, "
                    f"{fastest.layout.name} (est. {_secs(fastest.step_seconds)} s)")
-    if best.layout.tp > 1:
+    if best.layout.tp > gpus_per_node:
+        why.append(f"tensor parallelism across nodes (tp {best.layout.tp} > {gpus_per_node} "
+                   "GPUs per node: its collectives run at the inter-node rate)")
+    elif best.layout.tp > 1:
         why.append("tensor parallelism inside a node")
     if current is not None and current.layout.name != best.layout.name:
         why.append(f"vs the config's {_short(current)}")
@@ -72,7 +77,8 @@ def recommendation(plans: list[LayoutPlan], gpu_memory_gb: float,
 
 
 def format_layouts(plans: list[LayoutPlan], gpu_memory_gb: float, limit: int = 12,
-                   current: LayoutPlan | None = None) -> str:
+                   current: LayoutPlan | None = None,
+                   gpus_per_node: int = GPUS_PER_NODE) -> str:
     """A markdown table of ``plans`` (at most ``limit`` rows; 0: all) and the recommendation
     (against ``current``, the run's own layout, when given)."""
     fit = f"fits {gpu_memory_gb:g} GB"
@@ -95,7 +101,7 @@ def format_layouts(plans: list[LayoutPlan], gpu_memory_gb: float, limit: int = 1
         lines.append(f"({len(plans) - len(shown)} more layouts: --all lists them)")
     best = plans[0]
     b = best.used
-    lines += ["", recommendation(plans, gpu_memory_gb, current),
+    lines += ["", recommendation(plans, gpu_memory_gb, current, gpus_per_node),
               f"  per GPU (GB): states {(b.weights + b.gradients + b.optimizer) / GB:,.2f}, FSDP "
               f"buffers {b.fsdp_buffers / GB:,.2f}, activations {b.activations / GB:,.2f}, logits "
               f"{b.logits / GB:,.2f}; {best.micro_batches} micro-batch(es) of "
@@ -125,7 +131,8 @@ def layouts_section(cfg: ModelConfig, gpus: int, gpu_memory_gb: float, *, show_a
                f"parallelism; est. step: {ASSUMED_MFU:.0%} of {PEAK_FLOPS / 1e12:g} TFLOP/s, "
                f"{INTRA_NODE_BYTES_PER_S / 1e9:g} GB/s in a node, "
                f"{INTER_NODE_BYTES_PER_S / 1e9:g} GB/s across; see olmoflow.train.plan_layout)")
-    return caption + "\n\n" + format_layouts(plans, gpu_memory_gb, 0 if show_all else 12, now)
+    return caption + "\n\n" + format_layouts(plans, gpu_memory_gb, 0 if show_all else 12, now,
+                                             gpn)
 
 
 def plan_config(run_cfg, gpus: int, gpu_memory_gb: float = 80.0, *, tp: int | None = None,
