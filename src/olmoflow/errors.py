@@ -8,6 +8,7 @@ every other exception is a bug in olmoflow and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import signal
 from collections.abc import Iterable
 
 
@@ -19,7 +20,7 @@ class Terminated(KeyboardInterrupt):
     """A run stopped by SIGTERM (``kill``, Slurm's ``scancel`` or its time limit, torchrun passing
     either on) after saving, as Ctrl-C stops one; the CLI exits with ``128 + signum`` (143)."""
 
-    def __init__(self, signum: int = 15):
+    def __init__(self, signum: int = signal.SIGTERM):
         super().__init__(signum)
         self.signum = signum
 

@@ -57,9 +57,15 @@ class _CrossEntropyZLoss(torch.autograd.Function):
         logp, target, lse, valid, scale = ctx.saved_tensors
         w_ce = g_ce * valid * scale
         coef = w_ce + (2 * ctx.z_coef * scale) * g_z * lse * valid
-        grad = logp.exp_().mul_(coef[:, None])
-        grad.scatter_add_(1, target, -w_ce[:, None])
-        return grad, None, None, None
+        return _logits_grad_(logp, target, w_ce[:, None], coef[:, None]), None, None, None
+
+
+def _logits_grad_(logp: torch.Tensor, target: torch.Tensor, a: torch.Tensor,
+                  coef: torch.Tensor) -> torch.Tensor:
+    """The gradient wrt the logits, ``softmax * coef - onehot(target) * a``, written into
+    ``logp`` (``[n, V]`` fp32 log-softmax, consumed) and returned: ``a [n, 1]`` is the weight of
+    each row's CE term, ``coef [n, 1] = a + 2 z_coef (z weight) lse`` adds the z-loss's."""
+    return logp.exp_().mul_(coef).scatter_add_(1, target, -a)
 
 
 def _scale(labels: torch.Tensor, normalizer: float | None, device) -> torch.Tensor:
@@ -130,8 +136,7 @@ def _chunked_pass(x, weight, labels, z_coef: float, scale, g_ce, g_z, want_x: bo
         if not grads:
             continue
         ac = a[s:e, None]
-        grad = logp.exp_().mul_(torch.addcmul(ac, b[s:e, None], lse[s:e]))
-        grad.scatter_add_(1, tc, -ac)
+        grad = _logits_grad_(logp, tc, ac, torch.addcmul(ac, b[s:e, None], lse[s:e]))
         if not fp32:
             grad = grad.to(x.dtype)
         if want_x:
