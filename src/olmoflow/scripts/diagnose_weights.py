@@ -98,10 +98,12 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FLAGGED if flagged else EXIT_CLEAN
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command; returns the exit status (one line on stderr for bad input)."""
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m olmoflow.scripts.diagnose_weights") -> int:
+    """The command; returns the exit status (one line on stderr for bad input). ``prog`` is the
+    name its usage and help give (the root-level ``scripts/`` entry point passes its own)."""
     p = add_arguments(argparse.ArgumentParser(
-        prog="python -m olmoflow.scripts.diagnose_weights",
+        prog=prog,
         description="Check a checkpoint's weights for NaN/Inf, outliers, dead rows and layers "
         "far from their siblings; optionally re-initialise the flagged ones."))
     args = p.parse_args(argv)

@@ -1,0 +1,12 @@
+"""``python -m scripts.diagnose_weights CHECKPOINT_OR_DIR`` from the repository root: OLMo's
+weight check, the same as ``python -m olmoflow.scripts.diagnose_weights`` and
+``olmoflow diagnose``."""
+
+from __future__ import annotations
+
+import sys
+
+from olmoflow.scripts.diagnose_weights import main
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m scripts.diagnose_weights"))
