@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import sys
 
+if not __package__:  # run as a file (`torchrun scripts/train.py ...`): the checkout's src/ first
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import scripts  # noqa: F401
+
 from olmoflow.scripts.train import main
 
 if __name__ == "__main__":

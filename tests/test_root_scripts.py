@@ -67,5 +67,8 @@ def test_scripts_help_and_bad_input():
     assert r.returncode == 0 and "resume_from=latest" in r.stdout
     r = from_root("scripts.diagnose_weights", "--help")
     assert r.returncode == 0 and "usage: python -m scripts.diagnose_weights" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)  # torchrun's form: a file
+    assert r.returncode == 0 and "resume_from=latest" in r.stdout, r.stderr
     r = from_root("scripts.diagnose_weights", str(ROOT / "no-such-checkpoint"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
