@@ -1,13 +1,24 @@
-"""Atomic writes: a failed write leaves the old file; a finished one has ordinary permissions.
-Manifests name their files so that they can be followed back."""
+"""Atomic writes: a failed write leaves the old file (a full disk and a file size limit included);
+a finished one has ordinary permissions. Manifests name their files so that they can be followed
+back."""
 
+import errno
+import json
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from olmoflow.artifacts import atomic_open, atomic_write_text
+from olmoflow import disk
+from olmoflow.artifacts import atomic_open, atomic_write_json, atomic_write_text
+from olmoflow.errors import OlmoflowError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_failed_write_keeps_the_old_file(tmp_path):
@@ -110,3 +121,78 @@ def test_hash_once_reads_a_file_once_per_identity(tmp_path):
     f.write_bytes(b"first")
     edit_in_place_keeping_identity()
     assert sha256_file(f) == hashlib.sha256(b"FIRST").hexdigest()  # outside: always read
+
+
+# --- at a full disk or a file size limit -----------------------------------------------------
+
+
+@pytest.fixture
+def three_mb_free(monkeypatch):
+    monkeypatch.setattr(disk, "free_mb", lambda path: 3)
+
+
+def test_a_full_disk_at_an_atomic_write_keeps_the_old_file(monkeypatch, three_mb_free, tmp_path):
+    target = tmp_path / "manifest.json"
+    atomic_write_json(target, {"old": True})
+
+    def full(fd):
+        raise ENOSPC
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OlmoflowError) as e:
+        atomic_write_json(target, {"new": True})
+    assert str(e.value) == f"{target}: no space left on device (3 MB free)"
+    assert json.loads(target.read_text()) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # temporary gone
+
+
+def in_child_under_a_file_size_limit(body: str, tmp_path: Path) -> None:
+    """Run ``body`` in a child Python whose ``lower(n)`` lowers its own file size limit (writes
+    past it fail with EFBIG). Never in the test process: the limit would also cut off every other
+    file it writes, pytest's own log among them."""
+    pytest.importorskip("resource")
+    prelude = textwrap.dedent("""
+        import resource, signal, sys
+        from pathlib import Path
+        import pytest
+        from olmoflow.artifacts import atomic_open, atomic_write_text
+        from olmoflow.errors import OlmoflowError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        def lower(n):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.getrlimit(
+                resource.RLIMIT_FSIZE)[1]))
+        tmp_path = Path(sys.argv[1])
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n",
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
+def test_of_two_open_files_the_one_that_failed_is_named(tmp_path):
+    """Token arrays and their indexes are written side by side: the error names the array whose
+    write really failed, not the file opened last; both temporaries are removed."""
+    in_child_under_a_file_size_limit("""
+        with pytest.raises(OlmoflowError) as e:
+            with atomic_open(tmp_path / "big.npy") as big, \\
+                    atomic_open(tmp_path / "small.csv") as small:
+                small.write(b"0,1\\n")
+                lower(10_000)
+                big.write(b"x" * 20_000)
+                big.flush()
+        assert str(e.value).startswith(f"{tmp_path / 'big.npy'}: file too large ("), e.value
+        assert list(tmp_path.iterdir()) == []
+    """, tmp_path)
+
+
+def test_a_real_short_write_leaves_the_previous_file(tmp_path):
+    in_child_under_a_file_size_limit("""
+        target = tmp_path / "notes.txt"
+        atomic_write_text(target, "before\\n")
+        lower(1000)
+        with pytest.raises(OlmoflowError, match="file too large"):
+            atomic_write_text(target, "y" * 5000)
+        assert target.read_text() == "before\\n"
+        assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    """, tmp_path)
+

@@ -1,5 +1,6 @@
-"""A full disk (or a quota, or ``ulimit -f``) while olmoflow writes: one line naming the file being
-written and the room left, exit 2, the half-written file removed and nothing half-written trusted.
+"""A full disk (or a quota, or ``ulimit -f``) while olmoflow writes (``olmoflow.disk``): one line
+naming the file being written and the room left, exit 2, the half-written file removed and nothing
+half-written trusted. Atomic writes at a full disk are tested in test_artifacts.py.
 
 The disk is never really filled: the unit tests make the writers fail as they do on a full disk
 (``OSError(ENOSPC)``, torch's ``unexpected pos``), and the CLI tests run the real command in a child
@@ -10,12 +11,10 @@ process under ``RLIMIT_FSIZE``, where every write past the limit genuinely fails
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from checks import tree
 from test_cli import assert_one_line_error
 
 from olmoflow import disk
-from olmoflow.artifacts import atomic_write_json, atomic_write_text
+from olmoflow.artifacts import atomic_write_text
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
@@ -99,74 +98,6 @@ def test_a_short_torch_write_with_room_left_still_says_what_failed(monkeypatch, 
 
 def test_free_mb_reads_the_nearest_existing_parent(tmp_path):
     assert isinstance(disk.free_mb(tmp_path / "not" / "yet" / "made"), int)
-
-
-# --- atomic writes ---------------------------------------------------------------------------
-
-
-def test_a_full_disk_at_an_atomic_write_keeps_the_old_file(monkeypatch, three_mb_free, tmp_path):
-    target = tmp_path / "manifest.json"
-    atomic_write_json(target, {"old": True})
-
-    def full(fd):
-        raise ENOSPC
-
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OlmoflowError) as e:
-        atomic_write_json(target, {"new": True})
-    assert str(e.value) == f"{target}: no space left on device (3 MB free)"
-    assert json.loads(target.read_text()) == {"old": True}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # temporary gone
-
-
-def in_child_under_a_file_size_limit(body: str, tmp_path: Path) -> None:
-    """Run ``body`` in a child Python whose ``lower(n)`` lowers its own file size limit (writes
-    past it fail with EFBIG). Never in the test process: the limit would also cut off every other
-    file it writes, pytest's own log among them."""
-    prelude = textwrap.dedent("""
-        import resource, signal, sys
-        from pathlib import Path
-        import pytest
-        from olmoflow.artifacts import atomic_open, atomic_write_text
-        from olmoflow.errors import OlmoflowError
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        def lower(n):
-            resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.getrlimit(
-                resource.RLIMIT_FSIZE)[1]))
-        tmp_path = Path(sys.argv[1])
-    """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n",
-                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
-
-
-def test_of_two_open_files_the_one_that_failed_is_named(tmp_path):
-    """Token arrays and their indexes are written side by side: the error names the array whose
-    write really failed, not the file opened last; both temporaries are removed."""
-    in_child_under_a_file_size_limit("""
-        with pytest.raises(OlmoflowError) as e:
-            with atomic_open(tmp_path / "big.npy") as big, \\
-                    atomic_open(tmp_path / "small.csv") as small:
-                small.write(b"0,1\\n")
-                lower(10_000)
-                big.write(b"x" * 20_000)
-                big.flush()
-        assert str(e.value).startswith(f"{tmp_path / 'big.npy'}: file too large ("), e.value
-        assert list(tmp_path.iterdir()) == []
-    """, tmp_path)
-
-
-def test_a_real_short_write_leaves_the_previous_file(tmp_path):
-    in_child_under_a_file_size_limit("""
-        target = tmp_path / "notes.txt"
-        atomic_write_text(target, "before\\n")
-        lower(1000)
-        with pytest.raises(OlmoflowError, match="file too large"):
-            atomic_write_text(target, "y" * 5000)
-        assert target.read_text() == "before\\n"
-        assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
-    """, tmp_path)
 
 
 # --- checkpoint save -------------------------------------------------------------------------
