@@ -196,3 +196,14 @@ def test_cli_bad_yaml_is_one_line_exit_2(name, tmp_path, capsys):
 def test_a_deep_override_value_is_refused():
     with pytest.raises(OlmoflowError, match="override 'train.data': .*nested too deeply"):
         load_config("tiny", ["train.data=" + "[" * 10_000 + "]" * 10_000])
+
+def test_yaml_values_users_write(tmp_path):
+    with pytest.raises(OlmoflowError, match="run_dir is empty"):
+        load_config("tiny", ["run_dir=''"])
+    cfg = load_config("tiny", ["train.optimizer.lr=1e-3", "train={max_steps: 7}"])
+    assert cfg.train.optimizer.lr == 1e-3
+    assert cfg.train.max_steps == 7 and cfg.train.sequence_length == 64  # merged, not replaced
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(OlmoflowError, match="top level must be a mapping"):
+        load_config(str(bad))

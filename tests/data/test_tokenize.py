@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import cli, doc_text, write_jsonl
 
 from olmoflow.data.config import TokenizeConfig
 from olmoflow.data.tokenize import (
@@ -171,3 +172,19 @@ def test_tokenize_errors(setup):
         run(setup, "e", docs_path=empty)
     with pytest.raises(OlmoflowError, match="not found"):
         tokenize(TokenizeConfig(), root / "docs.jsonl.gz", root / "missing", root / "e2", 0, False)
+
+def test_literal_special_tokens_stay_text(tmp_path, capsys):
+    import numpy as np
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [
+        {"text": doc_text(i) * 3 + " Hello <|endoftext|> world <|pad|> end."} for i in range(12)])
+    for verb in ("collect", "clean", "train-tokenizer", "tokenize"):
+        rc, _, err = cli(capsys, verb, "tiny", "--data", str(corpus), "--run-dir",
+                         str(tmp_path / "r"), "--no-progress", "tokenize.heldout_fraction=0.5")
+        assert rc == 0, err
+    meta = json.loads((tmp_path / "r" / "tokens" / "meta.json").read_text())
+    tokens = np.memmap(tmp_path / "r" / "tokens" / "train" / "part-00000.npy",
+                       dtype=meta["dtype"], mode="r")
+    # exactly one EOS per document (the one the pipeline appends), and no pad token at all
+    assert int((tokens == meta["eos_token_id"]).sum()) == meta["splits"]["train"]["documents"]
+    assert int((tokens == meta["pad_token_id"]).sum()) == 0

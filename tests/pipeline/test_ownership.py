@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from checks import one_line_error, tree
+from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
 from olmoflow.artifacts import LOCK_FILE, StageResult, atomic_write_text
 from olmoflow.cli import main
@@ -284,3 +285,24 @@ def test_a_forced_training_rerun_that_fails_keeps_the_old_checkpoints(tmp_path):
     with pytest.raises(OlmoflowError, match="refused before the first step"):
         run_stage(named(run, "fails"), "toy-train", progress=False, force=True, table=table)
     assert tree(run / "toy-train") == before
+
+FAST = ("--no-progress", "train.max_steps=4", "train.checkpoint.save_interval=2",
+        "train.num_threads=1")
+
+
+def test_checkpoints_of_another_config_are_never_deleted_implicitly(tmp_path, capsys):
+    """A changed train config must not wipe an interrupted (or finished) run's checkpoints: the
+    rerun stops with one line naming both ways forward, and each of them works."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": doc_text(i) * 4} for i in range(40)])
+    base = ("tiny", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), *FAST)
+    assert cli(capsys, "run", *base)[0] == 0
+    pretrain = tmp_path / "run" / "pretrain"
+    before = sorted(p.name for p in pretrain.iterdir())
+    rc, _, err = cli(capsys, "pretrain", *base, "train.optimizer.lr=1e-3")
+    assert_one_line_error(rc, err, "resume_from=latest")
+    assert sorted(p.name for p in pretrain.iterdir()) == before, "nothing was deleted"
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.optimizer.lr=1e-3", "train.max_steps=6",
+                     "resume_from=latest")
+    assert rc == 0 and "[pretrain] resumed" in out
+    rc, out, _ = cli(capsys, "pretrain", *base, "train.optimizer.lr=2e-3", "--force")
+    assert rc == 0 and "[pretrain] ran" in out
