@@ -389,3 +389,17 @@ def test_trainer_resumes_packed_masked_training_exactly(tmp_path):
     losses = [[json.loads(ln)["loss"] for ln in (tmp_path / d / METRICS).read_text().splitlines()]
               for d in ("a", "b")]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+def test_loader_refuses_a_position_over_other_instances_of_the_same_count():
+    """64 tokens make 7 instances at sequence_length 8 and at 9: the counts agree, the instances do
+    not, so a position would silently skip or repeat data (was: resumed without a word)."""
+    tokens = [np.arange(64, dtype=np.uint16)]
+    eight, nine = InstanceDataset(tokens, 8), InstanceDataset(tokens, 9)
+    assert len(eight) == len(nine) == 7
+    state = DataLoader(eight, 2, seed=0).state_dict()
+    with pytest.raises(OlmoflowError, match="train.sequence_length=8, this run has 9"):
+        DataLoader(nine, 2, seed=0).load_state_dict(state)
+    with pytest.raises(OlmoflowError, match="train.packing=best_fit, this run has concat"):
+        DataLoader(eight, 2, seed=0).load_state_dict({**state, "packing": "best_fit"})
+    old = {k: v for k, v in state.items() if k not in ("packing", "sequence_length")}
+    DataLoader(eight, 2, seed=0).load_state_dict(old)  # checkpoints from before still resume

@@ -306,3 +306,12 @@ def test_checkpoints_of_another_config_are_never_deleted_implicitly(tmp_path, ca
     assert rc == 0 and "[pretrain] resumed" in out
     rc, out, _ = cli(capsys, "pretrain", *base, "train.optimizer.lr=2e-3", "--force")
     assert rc == 0 and "[pretrain] ran" in out
+
+def test_a_stage_directory_that_is_a_file_is_a_user_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pretrain").write_text("not a directory")
+    # was: NotADirectoryError
+    assert main(["pretrain", "tiny", "--run-dir", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "'" + str(run / "pretrain") + "' exists and is not a directory" in err

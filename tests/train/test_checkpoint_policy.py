@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import tree
 from resume_helpers import make_trainer, read_metrics
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import load_config
 from olmoflow.train.checkpoint import (
     INDEX,
+    LATEST,
     checkpoint_name,
     has_checkpoint,
     list_checkpoints,
@@ -179,3 +181,166 @@ def test_bad_engine_keys_are_user_errors(override, message):
     with pytest.raises(OlmoflowError) as e:
         load_config("tiny", [override])
     assert message in str(e.value)
+
+
+# --- finding a checkpoint that was pruned, or in a folder of checkpoints --------------------------
+
+
+def test_resume_from_a_pruned_checkpoint_says_it_was_pruned(tmp_path):
+    make_trainer(tmp_path, 27, 0.0, max_steps=6, checkpoint__save_interval=2,
+                 checkpoint__keep_last=1).fit()
+    with pytest.raises(OlmoflowError,
+                       match=r"'stage1-step2-tokens64' was pruned \(train.checkpoint.keep_last"):
+        resolve_checkpoint(tmp_path, "step2")
+    with pytest.raises(OlmoflowError, match="was pruned"):
+        resolve_checkpoint(tmp_path, "stage1-step4-tokens128")
+    with pytest.raises(OlmoflowError) as e:
+        resolve_checkpoint(tmp_path, "step3")  # never saved: no pruning story to tell
+    assert "was pruned" not in str(e.value)
+
+
+def test_resume_from_a_folder_of_checkpoints_takes_its_latest(tmp_path):
+    """README: resume_from is latest, stepN "or a dir"; a folder of checkpoints (this run's or
+    another run's) used to be 'no checkpoint at ...'."""
+    make_trainer(tmp_path / "a", 27, 0.0, max_steps=4, checkpoint__save_interval=2).fit()
+    latest_a = resolve_checkpoint(tmp_path / "a", LATEST)
+    assert resolve_checkpoint(tmp_path / "b", str(tmp_path / "a")) == latest_a
+    assert resolve_checkpoint(tmp_path / "a", ".") == latest_a
+    t = make_trainer(tmp_path / "b", 27, 0.0, max_steps=6, checkpoint__save_interval=0,
+                     checkpoint__resume_from=str(tmp_path / "a"))
+    t.fit()
+    assert t.step == 6
+    assert resolve_checkpoint(tmp_path / "b", LATEST).name.startswith("stage1-step6-")
+    with pytest.raises(OlmoflowError, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / "b", str(tmp_path))  # a folder without checkpoints
+
+
+# --- no complete checkpoint is deleted or rewritten -----------------------------------------------
+
+
+def test_pruning_a_new_stage_keeps_the_previous_stage(tmp_path):
+    """Stage 2 resumed from stage 1 with keep_last=1 used to delete every stage-1 checkpoint."""
+    from olmoflow.train.checkpoint import read_index
+
+    make_trainer(tmp_path, 27, 0.0, max_steps=6, checkpoint__save_interval=2).fit()
+    stage1 = tree(tmp_path / "stage1-step6-tokens192")
+    make_trainer(tmp_path, 27, 0.0, max_steps=10, checkpoint__save_interval=2,
+                 checkpoint__stage="stage2", checkpoint__keep_last=1,
+                 checkpoint__resume_from="latest").fit()
+    on_disk = [p.name for p in list_checkpoints(tmp_path)]
+    assert on_disk == ["stage1-step2-tokens64", "stage1-step4-tokens128", "stage1-step6-tokens192",
+                       "stage2-step10-tokens320"]
+    assert tree(tmp_path / "stage1-step6-tokens192") == stage1
+    index = {r["name"]: r["status"] for r in read_index(tmp_path)}
+    # the index says what is there
+    assert sorted(n for n, st in index.items() if st == "kept") == on_disk
+    assert index["stage2-step8-tokens256"] == "pruned"
+
+
+class Killed(BaseException):
+    pass
+
+
+def test_a_prune_killed_midway_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Pruning deleted checkpoints in place: a kill mid-delete (Slurm preemption) could leave one
+    with trainer_state.pt but no shards, listed as complete and picked by resume_from=stepN."""
+    import shutil
+
+    from olmoflow.train import checkpoint
+    from olmoflow.train.checkpoint import checkpoint_name, prune_checkpoints
+
+    def fake(step: int) -> Path:
+        d = tmp_path / checkpoint_name("stage1", step, step * 100)
+        (d / "model_and_optim").mkdir(parents=True)
+        (d / "model_and_optim" / "__0_0.distcp").write_bytes(b"shard")
+        (d / "trainer_state.pt").write_bytes(b"state")
+        return d
+
+    real_rmtree = shutil.rmtree
+
+    def killed_rmtree(path, *a, **kw):  # deletes the shards, then the process dies
+        if not Path(path).exists():
+            return real_rmtree(path, *a, **kw)
+        for f in Path(path).rglob("*.distcp"):
+            f.unlink()
+        raise Killed
+
+    for step in (1, 2):
+        fake(step)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_rmtree)
+    with pytest.raises(Killed):
+        prune_checkpoints(tmp_path, fake(3), keep_last=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    for c in list_checkpoints(tmp_path):  # every checkpoint still listed is whole
+        assert (c / "model_and_optim" / "__0_0.distcp").is_file(), c.name
+    prune_checkpoints(tmp_path, fake(4), keep_last=1)  # the next save clears the leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_name("stage1", 4, 400)]
+
+
+def test_resuming_a_finished_run_keeps_its_final_checkpoint_untouched(tmp_path):
+    """A resume at max_steps (or a stop right after a periodic save) used to save the same step
+    again: delete the complete directory, then rename the copy in."""
+    make_trainer(tmp_path, 27, 0.0, max_steps=4, checkpoint__save_interval=2).fit()
+    final = resolve_checkpoint(tmp_path, LATEST)
+    before, inode = tree(final), (final / "trainer_state.pt").stat().st_ino
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, checkpoint__save_interval=2,
+                     checkpoint__resume_from="latest")
+    summary = t.fit()
+    assert Path(summary["checkpoint"]) == final and t.step == 4
+    assert tree(final) == before and (final / "trainer_state.pt").stat().st_ino == inode
+
+
+def test_writing_over_a_directory_fails_before_training(tmp_path):
+    (tmp_path / "checkpoints.csv").mkdir(parents=True)
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=4, checkpoint__save_interval=2)
+    with pytest.raises(OlmoflowError, match="checkpoints.csv' is a directory"):
+        # was: IsADirectoryError at the first save, after that step's checkpoint was written
+        t.fit()
+    assert t.step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_force_with_resume_from_deletes_nothing(tmp_path):
+    """`pretrain --force resume_from=latest` used to delete every checkpoint, then fail: nothing
+    left to resume from."""
+    from olmoflow.pipeline.runner import run_stage
+
+    make_trainer(tmp_path / "pretrain", 27, 0.0, max_steps=2, checkpoint__save_interval=0).fit()
+    before = tree(tmp_path / "pretrain")
+    cfg = load_config("tiny", ["resume_from=latest"], values={"run_dir": str(tmp_path)})
+    with pytest.raises(OlmoflowError,
+                       match="--force would delete the checkpoints .* resume_from=latest"):
+        run_stage(cfg, "pretrain", progress=False, force=True)
+    assert tree(tmp_path / "pretrain") == before
+
+
+def test_changing_only_bookkeeping_keys_keeps_the_pretrain_fingerprint(tmp_path):
+    """An interrupted run whose checkpoint policy, log or thread settings change resumes; before,
+    the changed fingerprint deleted every checkpoint and trained again from step 0."""
+    from olmoflow.pipeline.runner import fingerprint
+    from olmoflow.pipeline.stages.train import TRAIN_BOOKKEEPING
+
+    values = {"run_dir": str(tmp_path)}
+    base = fingerprint(load_config("tiny", values=values), "pretrain")
+    same = ["train.checkpoint.keep_last=2", "train.checkpoint.keep_every=10",
+            "train.checkpoint.save_interval=3", "train.log.interval=1", "train.num_threads=1",
+            "train.log.detailed_interval=5", "train.log.loggers=[tensorboard]",
+            "train.checkpoint.resume_from=latest",
+            # the parallel layout: a checkpoint resumes under another one (tests/train/
+            # test_parallel_3d.py), equal within rounding
+            "train.parallel.data_parallel=fsdp", "train.parallel.shard_size=null",
+            "train.parallel.tensor_parallel=2", "train.parallel.pipeline_parallel=2",
+            "train.parallel.pipeline_schedule=gpipe", "train.parallel.stages_per_rank=1",
+            "train.parallel.pipeline_split=cost", "train.parallel.context_parallel=1",
+            "train.parallel.cpu_offload=false"]
+    assert {o.split("=")[0] for o in same} == set(TRAIN_BOOKKEEPING)
+    same += ["resume_from=latest", "train.keep_last=2"]  # OLMo's top-level form; an old spelling
+    for override in same:
+        cfg = load_config("tiny", [override], values=values)
+        assert fingerprint(cfg, "pretrain") == base, override
+    for override in ["train.max_steps=31", "train.optimizer.lr=1e-3", "train.optimizer.type=muon",
+                     "train.packing=best_fit", "train.micro_batch_size=2", "train.precision=bf16",
+                     "train.schedule.warmup_steps=3", "train.max_grad_norm=0.5",
+                     "train.data=[elsewhere/tokens]", "seed=1", "model.d_model=32",
+                     "train.parallel.param_dtype=bf16"]:
+        cfg = load_config("tiny", [override], values=values)
+        assert fingerprint(cfg, "pretrain") != base, override

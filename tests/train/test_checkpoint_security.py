@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from resume_helpers import build_model, make_trainer, read_metrics
+from checks import tree
+from resume_helpers import build_model, dataset, make_trainer, read_metrics, train_config
 from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
+from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
 from olmoflow.train.checkpoint import (
     LATEST,
@@ -32,6 +34,7 @@ from olmoflow.train.checkpoint import (
     write_checksums,
 )
 from olmoflow.train.checkpoint_verify import CHECKSUMS
+from olmoflow.train.trainer import Trainer
 
 KW = dict(max_steps=4, checkpoint__save_interval=2)
 
@@ -217,3 +220,58 @@ def test_save_records_checksums_as_its_last_file(tmp_path, monkeypatch):
     ckpt = saved_run(tmp_path)
     assert seen and all(CHECKSUMS not in names for names in seen)
     assert set(seen[-1]) | {CHECKSUMS} == set(os.listdir(ckpt))
+
+
+# --- a damaged or mismatched checkpoint is a user error; the complete ones stay as they were
+
+
+def _two_checkpoints(folder: Path) -> tuple[Path, Path]:
+    make_trainer(folder, 27, 0.0, max_steps=4, checkpoint__save_interval=2).fit()
+    older, newest = list_checkpoints(folder)
+    assert resolve_checkpoint(folder, LATEST) == newest
+    return older, newest
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+DAMAGE = {
+    "shard deleted": lambda c: next((c / "model_and_optim").glob("*.distcp")).unlink(),
+    "shard truncated": lambda c: _truncate(next((c / "model_and_optim").glob("*.distcp")), 1000),
+    "metadata deleted": lambda c: (c / "model_and_optim" / ".metadata").unlink(),
+    "trainer_state truncated": lambda c: _truncate(c / "trainer_state.pt", 100),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_latest_is_a_user_error_naming_the_previous_one(tmp_path, damage):
+    older, newest = _two_checkpoints(tmp_path)
+    kept = tree(older)
+    DAMAGE[damage](newest)  # was: FileNotFoundError / EOFError / RuntimeError / AssertionError
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=6, checkpoint__save_interval=2,
+                     checkpoint__resume_from="latest")
+    with pytest.raises(OlmoflowError) as e:
+        t.fit()
+    msg = str(e.value)
+    assert f"checkpoint '{newest}' cannot be read" in msg and f"resume_from={older.name}" in msg
+    assert "\n" not in msg and "Traceback" not in msg
+    assert tree(older) == kept and (tmp_path / LATEST).read_text().strip() == newest.name
+    # ... and the one it names resumes.
+    t = make_trainer(tmp_path, 27, 0.0, max_steps=3, checkpoint__save_interval=0,
+                     checkpoint__resume_from=older.name)
+    t.fit()
+    assert t.step == 3
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_user_error(tmp_path):
+    _, newest = _two_checkpoints(tmp_path)
+    before = tree(tmp_path)
+    cfg = train_config(max_steps=6, checkpoint__resume_from="latest")
+    wider = Trainer(build_model(d_model=48), cfg, DataLoader(dataset(27), 4, seed=7), tmp_path,
+                    progress=False)
+    with pytest.raises(OlmoflowError,
+                       match=r"cannot be read \(model_and_optim: ValueError: Size mismatch"):
+        wider.fit()  # was: ValueError traceback
+    assert tree(tmp_path) == before

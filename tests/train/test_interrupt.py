@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_helpers import make_trainer
 
 from olmoflow.cli import main
 from olmoflow.pipeline.config import load_config
@@ -23,7 +24,8 @@ from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.release.export import load_step_model
 from olmoflow.scripts.train import main as train_script
 from olmoflow.tokenizer import Tokenizer
-from olmoflow.train.checkpoint import parse_checkpoint_name, resolve_checkpoint
+from olmoflow.train import distributed
+from olmoflow.train.checkpoint import LATEST, parse_checkpoint_name, resolve_checkpoint
 
 STEPS = 100
 # The tiny preset on the stdlib corpus, shrunk so a step takes milliseconds; one thread so the
@@ -152,3 +154,56 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_exits_143(tmp_path):
     assert proc.returncode == 0, err
     assert "[pretrain] resumed" in out
     assert logged_steps(log) == list(range(1, stopped + 3))
+
+
+# --- Ctrl-C under torchrun ------------------------------------------------------------------------
+
+
+def _interrupt_worker(folder: str) -> None:
+    """One rank of a 2-process run in which only rank 1 gets SIGINT (while fetching batch 3)."""
+    torch.set_num_threads(1)
+    info = distributed.init_from_env()
+    t = make_trainer(Path(folder), 27, 0.0, max_steps=40, checkpoint__save_interval=0)
+    if info.rank == 1:
+        fetch, calls = t.loader.next_batch, []
+
+        def fetch_then_signal():
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return fetch()
+
+        t.loader.next_batch = fetch_then_signal
+    try:
+        t.fit()
+        outcome = "finished"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    result = json.dumps({"outcome": outcome, "step": t.step})
+    (Path(folder) / f"rank{info.rank}.json").write_text(result)
+
+
+def test_ctrl_c_reaching_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Before, the rank that got the signal saved (a collective) while the other trained on (another
+    collective): a hang, or a checkpoint of mixed steps."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    # Its own process group, so that a hang (the bug) takes the workers down with torchrun.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", __file__, str(tmp_path)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the ranks hung after a Ctrl-C that reached one of them")
+    assert proc.returncode == 0, err[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] == {"outcome": "interrupted", "step": 3}
+    assert resolve_checkpoint(tmp_path, LATEST).name.startswith("stage1-step3-")
+
+
+if __name__ == "__main__":
+    _interrupt_worker(sys.argv[1])

@@ -3,6 +3,8 @@ measurement of what autograd really saves in this model."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -400,3 +402,10 @@ def test_tensor_parallel_activations_match_what_autograd_saves():
     one = saved_activation_bytes(cfg, 2, 256, act_bytes=4)
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured, one)
     assert 0.5 * one < measured < 0.6 * one
+
+def test_plan_rejects_an_infinite_gpu(capsys):
+    with pytest.raises(OlmoflowError, match="--gpu-memory-gb must be a number of GB > 0, got inf"):
+        plan_config(load_config("olmo3_7b"), 64, math.inf)
+    # was: OverflowError
+    assert main(["plan", "olmo3_7b", "--gpus", "64", "--gpu-memory-gb", "inf"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

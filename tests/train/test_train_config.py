@@ -11,10 +11,19 @@ from dataclasses import fields
 import pytest
 
 import olmoflow.config
+from olmoflow.cli import main
 from olmoflow.config import all_keys
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, load_config
-from olmoflow.train.config import RENAMED, SECTION_TYPES, TrainConfig
+from olmoflow.train.config import (
+    RENAMED,
+    SECTION_TYPES,
+    CheckpointConfig,
+    LogConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 
 
 @pytest.fixture
@@ -182,3 +191,53 @@ def test_a_config_without_run_dir_gets_its_own(tmp_path, monkeypatch):
     assert load_config("olmo3_7b").run_dir == "runs/olmo3_7b"
     assert load_config("demo").run_dir == "runs/demo"
     assert load_config("my_finetune.yaml", ["run_dir=x"]).run_dir == "x"
+
+
+# --- train.* numbers that used to train silently wrong or crash with a traceback ------------------
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.optimizer.lr=.nan", "train.optimizer.lr must be a finite number"),
+    ("train.optimizer.lr=.inf", "train.optimizer.lr must be a finite number"),
+    ("train.optimizer.muon_lr=.nan", "train.optimizer.muon_lr must be a finite number"),
+    ("train.memory_budget_gb=.inf", "train.memory_budget_gb must be a finite number"),
+    ("train.optimizer.betas=[1.5, 0.95]", "train.optimizer.betas must be two numbers in [0, 1)"),
+    ("train.optimizer.betas=[0.9, -0.1]", "train.optimizer.betas must be two numbers in [0, 1)"),
+    ("train.optimizer.betas=[0.9]", "train.optimizer.betas must be two numbers"),
+    ("train.optimizer.eps=0", "train.optimizer.eps must be > 0"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0"),
+    ("train.optimizer.weight_decay=-1", "train.optimizer.weight_decay must be >= 0"),
+    ("train.schedule.min_lr_ratio=2", "train.schedule.min_lr_ratio must be in [0, 1]"),
+    ("train.schedule.min_lr_ratio=-1", "train.schedule.min_lr_ratio must be in [0, 1]"),
+    ("train.num_threads=-1", "train.num_threads must be >= 1"),
+    ("train.checkpoint.save_interval=-1", "train.checkpoint.save_interval must be >= 0"),
+    ("train.log.interval=-1", "train.log.interval must be >= 0"),
+    ("train.optimizer.skip_step_window=0", "train.optimizer.skip_step_window must be >= 2"),
+    ("train.optimizer.skip_step_window=1", "train.optimizer.skip_step_window must be >= 2"),
+    # the old flat spellings name the new key in the message
+    ("train.lr=.nan", "train.optimizer.lr must be a finite number"),
+    ("train.beta1=1.5", "train.optimizer.betas must be two numbers in [0, 1)"),
+    ("train.grad_clip=-1", "train.max_grad_norm must be >= 0"),
+])
+def test_bad_train_numbers_are_one_line_errors(override, message):
+    with pytest.raises(OlmoflowError) as e:
+        load_config("tiny", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_train_number_exits_2_before_any_stage_runs(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["pretrain", "tiny", "--run-dir", str(run_dir), "train.max_grad_norm=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["olmoflow: error: train.max_grad_norm must be >= 0 (0: off), got -1.0"]
+    assert not run_dir.exists()
+
+
+def test_valid_edges_and_presets_still_load():
+    for preset in ("tiny", "demo", "olmo3_7b", "olmo3_32b"):
+        load_config(preset)
+    TrainConfig(max_grad_norm=0.0, num_threads=0,
+                optimizer=OptimizerConfig(weight_decay=0.0, betas=[0.0, 0.95], skip_step_window=2),
+                schedule=ScheduleConfig(min_lr_ratio=0.0),
+                checkpoint=CheckpointConfig(save_interval=0), log=LogConfig(interval=0))
+    ScheduleConfig(min_lr_ratio=1.0)
