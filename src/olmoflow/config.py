@@ -8,6 +8,9 @@ of rules:
 - an unknown key is an error naming the closest valid key (over the whole config, so a misspelt
   section still gets the right hint);
 - a value of the wrong type is an error naming the key;
+- a value out of range is an error naming its full dotted key: a section's ``__post_init__``
+  raises :class:`ConfigValueError` with the field's name, and :func:`from_dict` puts the section's
+  path in front (``sources[0].options.max_document_bytes must be ...``);
 - a section may accept older spellings of its keys: a dataclass with a classmethod
   ``upgrade_keys(data, prefix) -> data`` rewrites its raw mapping before it is checked, and calls
   :func:`note_renamed` so the user sees one line naming the new key.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 import sys
 import types
 import typing
@@ -29,7 +33,47 @@ import yaml
 from olmoflow.errors import OlmoflowError, closest
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 4, 120, 120
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded in length and depth (a value nested
+    thousands deep must not overflow the stack while it is named)."""
+    return _REPR.repr(value)
+
 _NOTED: set[tuple[str, str]] = set()
+
+
+class ConfigValueError(OlmoflowError):
+    """A field of a config section holds a bad value: raised by a section's ``__post_init__``
+    with the field's name (``key``, empty for the section as a whole) and the ``problem``;
+    :func:`from_dict` re-raises it as one :class:`OlmoflowError` naming the full dotted key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key, self.problem = key, problem
+        super().__init__(self._text(key))
+
+    def _text(self, where: str) -> str:
+        # "x.ngram must be ..." reads as a sentence; "x.evals: unknown eval set ..." needs a colon.
+        if not where:
+            return self.problem
+        verb = self.problem.split(" ", 1)[0]
+        sep = " " if verb in ("must", "does", "needs", "expects", "is") else ": "
+        return f"{where}{sep}{self.problem}"
+
+    def at(self, prefix: str) -> OlmoflowError:
+        """The error with the section's dotted ``prefix`` (``"dedup.minhash."``) in front."""
+        return OlmoflowError(self._text(f"{prefix}{self.key}" if self.key else prefix.rstrip(".")))
+
+
+def check_int64(obj: Any) -> None:
+    """Raise :class:`ConfigValueError` for the first integer field of the dataclass ``obj`` that
+    does not fit in 64 bits (NumPy, the hashes and the C libraries take them as C integers)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise ConfigValueError(f.name, f"does not fit in 64 bits, got {v}")
 
 
 def note_renamed(old: str, new: str) -> None:
@@ -64,6 +108,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             string; the message names ``key``.
     """
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(value, tp):
+        return value  # a section already built (a library caller's)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -82,11 +128,22 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str | int | float):
             value = [value]
         if not isinstance(value, list):
-            raise OlmoflowError(f"config key '{key}' expects a list, got {value!r}")
+            raise OlmoflowError(f"config key '{key}' expects a list, got {shown(value)}")
         return [coerce(v, inner, key) for v in value]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str | int | float):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise OlmoflowError(f"config key '{key}' expects a list, got {shown(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], key) for v in value)
+        if args and len(args) != len(value):
+            raise OlmoflowError(f"config key '{key}' expects {len(args)} values, got {shown(value)}")
+        return tuple(coerce(v, a, key) for v, a in zip(value, args or [Any] * len(value)))
     if origin is dict or tp is Any:
         if origin is dict and not isinstance(value, dict):
-            raise OlmoflowError(f"config key '{key}' expects a mapping, got {value!r}")
+            raise OlmoflowError(f"config key '{key}' expects a mapping, got {shown(value)}")
         _check_string_keys(value, key)
         return value
     if dataclasses.is_dataclass(tp):
@@ -99,9 +156,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         except ValueError:
             pass
     if tp is bool and not isinstance(value, bool):
-        raise OlmoflowError(f"config key '{key}' expects true/false, got {value!r}")
+        raise OlmoflowError(f"config key '{key}' expects true/false, got {shown(value)}")
     if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
-        raise OlmoflowError(f"config key '{key}' expects {tp.__name__}, got {value!r}")
+        raise OlmoflowError(f"config key '{key}' expects {tp.__name__}, got {shown(value)}")
     return value
 
 
@@ -140,7 +197,7 @@ def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | N
                             "or leave it out")
     if not isinstance(data, dict):
         raise OlmoflowError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, "
-                            f"got {data!r}")
+                            f"got {shown(data)}")
     upgrade = getattr(cls, "upgrade_keys", None)
     if upgrade is not None:
         data = upgrade(dict(data), prefix)
@@ -160,7 +217,9 @@ def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | N
                 f"unknown config key '{full}'" + (f"; did you mean '{hint}'?" if hint else "")
             )
         tp = hints[k]
-        if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(tp) and isinstance(v, tp):
+            kwargs[k] = v  # a section already built (a library caller's)
+        elif dataclasses.is_dataclass(tp):
             default = _section_default(cls, k, tp)
             if default is not None and isinstance(v, dict):
                 # A section whose parent gives it other defaults than its class (sft.train's
@@ -169,7 +228,22 @@ def from_dict(cls: type, data: Any, prefix: str = "", *, universe: list[str] | N
             kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", universe=universe)
         else:
             kwargs[k] = coerce(v, tp, f"{prefix}{k}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigValueError as e:
+        raise e.at(prefix) from None
+
+
+def as_section(cls: type, value: Any, prefix: str) -> Any:
+    """``value`` if it already is a ``cls``, else :func:`from_dict` of it (None: the defaults):
+    what a library function taking "a section or its mapping" calls.
+
+    Raises:
+        OlmoflowError: as :func:`from_dict`.
+    """
+    if isinstance(value, cls):
+        return value
+    return from_dict(cls, {} if value is None else value, prefix)
 
 
 def _section_default(cls: type, name: str, tp: type) -> Any:

@@ -4,10 +4,19 @@ still load."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
+import yaml
 from test_cli import assert_one_line_error, cli
 
+from olmoflow.config import from_dict
 from olmoflow.data.config import load_data_config
+from olmoflow.data.decontam import DecontamConfig
+from olmoflow.data.dedup import DedupConfig, MinHashConfig, run_dedup
+from olmoflow.data.mixer import MixConfig, mix
+from olmoflow.data.rules import Rule
+from olmoflow.data.sources import SourceOptions, ingest_tasks
 from olmoflow.errors import OlmoflowError
 
 
@@ -87,3 +96,88 @@ def test_cli_bad_data_engine_value_is_one_line_exit_2(i, tmp_path, capsys):
     _one_line_exit_2(capsys, ["data", "ingest", _data_yaml(tmp_path, source, extra),
                               "--no-progress"], key)
     assert not (tmp_path / "engine").exists()
+
+
+# --- every section typed, parsed once by olmoflow.config.from_dict -----------------------------
+
+
+def _config(tmp_path, **sections) -> str:
+    path = tmp_path / "data.yaml"
+    path.write_text(yaml.safe_dump({"output": str(tmp_path / "run"),
+                                    "sources": [{"name": "web", "paths": ["x"]}], **sections}))
+    return str(path)
+
+
+def test_sections_are_typed_when_the_config_loads(tmp_path):
+    cfg = load_data_config(_config(
+        tmp_path, dedup={"minhash": True, "paragraphs": True},
+        decontaminate={"ngram": 8, "evals": "gsm8k"},
+        mixer={"exclude": "gopher__fail == 1", "weights": {"web": 2}},
+        sources=[{"name": "web", "paths": ["x"], "options": {"max_shard_bytes": 400}}]))
+    assert cfg.dedup == DedupConfig(paragraphs=True, minhash=MinHashConfig())
+    assert cfg.decontaminate.evals == ["gsm8k"] and cfg.decontaminate.ngram == 8
+    assert cfg.mixer.exclude == [Rule("gopher__fail", "==", 1.0)]
+    assert cfg.mixer.weights == {"web": 2.0} and cfg.mixer.attributes is None
+    assert cfg.sources[0].options == SourceOptions(max_shard_bytes=400)
+    # The saved config (config.yaml) loads back to the same sections.
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_data_config(again) == cfg
+
+
+@pytest.mark.parametrize("sections, message", [
+    # Unknown source options were left to ingest, found only when its step ran.
+    ({"sources": [{"name": "web", "paths": ["x"], "options": {"text_feild": "body"}}]},
+     "unknown config key 'sources[0].options.text_feild'; did you mean "
+     "'sources[0].options.text_field'?"),
+    ({"sources": [{"name": "web", "paths": ["x"], "options": {"max_shard_bytes": 0}}]},
+     "sources[0].options.max_shard_bytes must be in [1, 2**63), got 0"),
+    ({"sources": [{"name": "web", "paths": ["x"], "options": {"html_extractor": "trafilatora"}}]},
+     "sources[0].options.html_extractor: unknown html_extractor 'trafilatora'; did you mean "
+     "'trafilatura'?"),
+    # Range checks of the dedup, decontaminate and mixer sections: at load, with the full key.
+    ({"dedup": {"minhash": {"threshold": 0}}}, "dedup.minhash.threshold must be in (0, 1]"),
+    ({"dedup": {"minhash": {"bands": 4}}}, "dedup.minhash: give both bands and rows"),
+    ({"decontaminate": {"action": "dorp"}},
+     "decontaminate.action: unknown action 'dorp'; did you mean 'drop'?"),
+    ({"mixer": {"weights": {"web": -1}}}, "mixer.weights.web must be a number >= 0, got -1"),
+    ({"mixer": {"max_documents": 0}}, "mixer.max_documents must be a positive integer, got 0"),
+    ({"mixer": {"include": ["a = 1"]}}, "mixer.include[0]: cannot parse rule 'a = 1'"),
+    ({"mixer": {"max_bytes": 2**70}}, "mixer.max_bytes does not fit in 64 bits"),
+])
+def test_a_bad_section_value_is_one_line_naming_its_key(tmp_path, sections, message):
+    with pytest.raises(OlmoflowError) as e:
+        load_data_config(_config(tmp_path, **sections))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shard_tasks_carry_the_section_dataclass(tmp_path):
+    # The jobs read the section they are handed; nothing parses a mapping again in a worker.
+    from olmoflow.data.documents import write_documents
+
+    docs = tmp_path / "documents" / "web"
+    docs.mkdir(parents=True)
+    write_documents(docs / "a.jsonl.gz", [{"id": f"d{i}", "text": "same text", "source": "web"}
+                                          for i in range(3)])
+    seen: dict[str, list] = {}
+
+    def run_jobs(step, fn, tasks, **kw):
+        seen.setdefault(step, []).extend(tasks)
+        return [fn(t) for t in tasks]
+
+    run_dedup({"exact": True}, [{"input": str(docs / "a.jsonl.gz"),
+                                 "output": str(tmp_path / "attributes" / "dedup" / "web" /
+                                               "a.jsonl.gz")}], tmp_path, run_jobs)
+    mix(tmp_path, {"attributes": ["dedup"], "exclude": ["dedup__exact == 1"]}, run_jobs=run_jobs)
+    assert all(isinstance(t["config"], DedupConfig) for t in seen["dedup"])
+    assert all(isinstance(t["config"], MixConfig) for t in seen["mix"])
+    tasks = ingest_tasks("web", [str(docs)], tmp_path / "out", options={"text_field": "body"})
+    assert tasks[0]["options"] == SourceOptions(text_field="body")
+    for t in seen["dedup"] + seen["mix"] + tasks:  # the process pool and Ray pickle them
+        assert pickle.loads(pickle.dumps(t)) == t
+
+
+def test_library_callers_get_the_same_parser():
+    with pytest.raises(OlmoflowError, match="did you mean 'decontaminate.evals'"):
+        from_dict(DecontamConfig, {"eval": ["arc"]}, "decontaminate.")
+    assert from_dict(DedupConfig, {"minhash": False}, "dedup.").minhash is None

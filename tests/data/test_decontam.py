@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from olmoflow.config import from_dict
 from olmoflow.data.decontam import DecontamConfig, decontaminate, mixer_rules
 from olmoflow.data.documents import read_documents, write_documents
 from olmoflow.data.mixer import mix
@@ -157,11 +158,11 @@ def test_custom_eval_files_short_texts_and_tag_mode(tmp_path):
 
 def test_config_errors():
     with pytest.raises(OlmoflowError, match="did you mean 'hellaswag'"):
-        DecontamConfig.from_dict({"evals": ["helaswag"]})
+        from_dict(DecontamConfig, {"evals": ["helaswag"]}, "decontaminate.")
     with pytest.raises(OlmoflowError, match="did you mean 'drop'"):
-        DecontamConfig.from_dict({"action": "dorp"})
-    with pytest.raises(OlmoflowError, match="did you mean 'ngram'"):
-        DecontamConfig.from_dict({"ngrams": 13})
+        from_dict(DecontamConfig, {"action": "dorp"}, "decontaminate.")
+    with pytest.raises(OlmoflowError, match="did you mean 'decontaminate.ngram'"):
+        from_dict(DecontamConfig, {"ngrams": 13}, "decontaminate.")
     with pytest.raises(OlmoflowError, match="eval set 'gsm8k': no such file"):
-        list(DecontamConfig.from_dict({"evals": ["gsm8k"], "eval_dir": "/nonexistent"})
+        list(from_dict(DecontamConfig, {"evals": ["gsm8k"], "eval_dir": "/nonexistent"})
              .eval_items("gsm8k"))

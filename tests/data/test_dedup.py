@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olmoflow.config import from_dict
 from olmoflow.data.dedup import (
     DedupConfig,
     MinHashConfig,
@@ -251,14 +252,14 @@ def test_bad_lines_are_counted_and_stay_aligned(tmp_path):
 
 
 def test_config_errors_name_the_closest_key():
-    with pytest.raises(OlmoflowError, match="did you mean 'threshold'"):
-        DedupConfig.from_dict({"minhash": {"treshold": 0.5}})
-    with pytest.raises(OlmoflowError, match="did you mean 'paragraphs'"):
-        DedupConfig.from_dict({"paragraph": True})
+    with pytest.raises(OlmoflowError, match="did you mean 'dedup.minhash.threshold'"):
+        from_dict(DedupConfig, {"minhash": {"treshold": 0.5}}, "dedup.")
+    with pytest.raises(OlmoflowError, match="did you mean 'dedup.paragraphs'"):
+        from_dict(DedupConfig, {"paragraph": True}, "dedup.")
     with pytest.raises(OlmoflowError, match="threshold must be in"):
-        DedupConfig.from_dict({"minhash": {"threshold": 1.5}})
+        from_dict(DedupConfig, {"minhash": {"threshold": 1.5}}, "dedup.")
     with pytest.raises(OlmoflowError, match="nothing to do"):
-        DedupConfig.from_dict({"exact": False})
+        from_dict(DedupConfig, {"exact": False}, "dedup.")
 
 
 def test_impossible_banding_is_a_config_error(tmp_path):

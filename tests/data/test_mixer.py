@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from olmoflow.config import from_dict
 from olmoflow.data.documents import read_documents, write_documents
 from olmoflow.data.mixer import MixConfig, apply_span_edits, mix, parse_rule
 from olmoflow.data.shards import write_jsonl_gz
@@ -184,8 +185,8 @@ def test_unknown_names_are_one_line_errors_with_the_closest(tmp_path):
         mix(tmp_path, {"attributes": ["tag"]})
     with pytest.raises(OlmoflowError, match="unknown source 'wbe'; did you mean 'web'"):
         mix(tmp_path, {"attributes": ["tags"], "weights": {"wbe": 2}})
-    with pytest.raises(OlmoflowError, match="did you mean 'exclude'"):
-        MixConfig.from_dict({"exlude": []})
+    with pytest.raises(OlmoflowError, match="did you mean 'mixer.exclude'"):
+        from_dict(MixConfig, {"exlude": []}, "mixer.")
     with pytest.raises(OlmoflowError, match="unknown op '=<'"):
         parse_rule({"attribute": "a", "op": "=<", "value": 1}, "mix.include[0]")
     with pytest.raises(OlmoflowError, match="did you mean 'sum'"):
@@ -240,7 +241,7 @@ def test_merge_settings_appends_step_rules_once():
                       "exclude": ["t__bad == 1",
                                   {"attribute": "dedup__exact", "op": "==", "value": 1}],
                       "remove_spans": ["dedup__paragraphs"]}
-    MixConfig.from_dict(merged)  # valid as a mixer config
+    from_dict(MixConfig, merged, "mixer.")  # valid as a mixer config
 
 
 def test_bad_document_lines_are_counted_or_raise_with_strict(tmp_path):

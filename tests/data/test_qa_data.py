@@ -65,10 +65,10 @@ def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("mixer.exclud=[]", "unknown mixer key 'exclud'; did you mean 'exclude'?"),
+    ("mixer.exclud=[]", "unknown config key 'mixer.exclud'; did you mean 'mixer.exclude'?"),
     ("mixer.exclude=['gopher__fail_any = 1']", "cannot parse rule"),
     ("mixer.weights={webb: 2}", "unknown source 'webb'; did you mean 'web'?"),
-    ("dedup.exakt=true", "unknown dedup key 'exakt'; did you mean 'exact'?"),
+    ("dedup.exakt=true", "unknown config key 'dedup.exakt'; did you mean 'dedup.exact'?"),
     ("decontaminate.evals=[arcc]", "did you mean 'arc'?"),
     ("taggers=[pii, gopherr]", "unknown tagger 'gopherr'; did you mean 'gopher'?"),
     ("dedup.minhash.threshold=abc", "dedup.minhash.threshold' expects float, got 'abc'"),

@@ -191,7 +191,7 @@ def test_trafilatura_extractor_also_works():
     text = html_to_text(page(1), "trafilatura")
     assert "Paragraph 3 of page 1" in text and "<p>" not in text
     with pytest.raises(OlmoflowError, match="did you mean 'trafilatura'"):
-        ReadOptions.from_mapping({"html_extractor": "trafilatora"})
+        ReadOptions(html_extractor="trafilatora")
 
 
 def test_real_dolma_files_keep_id_source_and_metadata(tmp_path):
@@ -372,7 +372,8 @@ def test_unsupported_file_and_unknown_option(tmp_path):
     assert docs == [] and stats["error_counts"] == {"unsupported_file": 1}
     assert len(stats["outputs"]) == 1 and Path(stats["outputs"][0]).is_file()  # an empty shard
     with pytest.raises(OlmoflowError,
-                       match="unknown ingest option 'text_feild'; did you mean 'text_field'"):
+                       match="unknown config key 'options.text_feild'; did you mean "
+                             "'options.text_field'"):
         ingest(tmp_path, write_format(tmp_path, "jsonl"), text_feild="body")
     with pytest.raises(OlmoflowError, match="no such file"):
         ingest_tasks("src", [str(tmp_path / "missing.jsonl")], tmp_path)

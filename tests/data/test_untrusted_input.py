@@ -208,7 +208,7 @@ def test_ingest_skips_links_out_of_a_source_directory(linked, caplog):
     followed = ingest_tasks("web", [str(linked / "data")], linked / "out",
                             options={"follow_symlinks": True})
     assert len(followed) == 3 and all("follow_symlinks" not in t for t in followed)
-    with pytest.raises(OlmoflowError, match="follow_symlinks must be true or false"):
+    with pytest.raises(OlmoflowError, match="config key 'options.follow_symlinks' expects true/false"):
         ingest_tasks("web", [str(linked / "data")], linked / "out",
                      options={"follow_symlinks": "yes"})
 

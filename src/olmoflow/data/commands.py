@@ -12,6 +12,7 @@ CONFIG is a YAML file (e.g. configs/data/web_crawl.yaml) or a name under configs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from olmoflow.data.config import STEPS as STEP_VERBS
@@ -90,7 +91,7 @@ def load_for_args(args: argparse.Namespace):
     cfg = load_data_config(path, args.overrides, values)
     if getattr(args, "follow_symlinks", False):
         for s in cfg.sources:
-            s.options = {**s.options, "follow_symlinks": True}
+            s.options = dataclasses.replace(s.options, follow_symlinks=True)
     return cfg
 
 

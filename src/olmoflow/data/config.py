@@ -1,18 +1,29 @@
 """Config sections of the data path: the main flow's collect, clean and tokenize, and the data
 engine's whole config (:class:`DataConfig`: sources, quality, taggers, dedup, decontaminate, mixer,
-tokenize), parsed by the one parser of run configs (:func:`olmoflow.config.from_dict`)."""
+tokenize), parsed by the one parser of run configs (:func:`olmoflow.config.from_dict`). The
+sections of dedup, decontaminate and the mixer live beside their code (:class:`DedupConfig`,
+:class:`DecontamConfig`, :class:`MixConfig`) and check their values in ``__post_init__``."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import reprlib
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmoflow.config import all_keys, coerce, from_dict, load_tree, note_renamed
+from olmoflow.config import (
+    ConfigValueError,
+    all_keys,
+    check_int64,
+    from_dict,
+    load_tree,
+    note_renamed,
+)
+from olmoflow.data.decontam import DecontamConfig
+from olmoflow.data.dedup import DedupConfig
+from olmoflow.data.mixer import MixConfig
+from olmoflow.data.sources import SourceOptions
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 #: The data engine's steps, in pipeline order.
@@ -23,11 +34,6 @@ STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attribut
 
 #: The longest directory name most file systems allow, in bytes (a source name becomes one).
 NAME_MAX = 255
-#: The source options ingest reads, and their types (an ``int`` option may also be null).
-SOURCE_OPTIONS: dict[str, type] = {
-    "text_field": str, "strict": bool, "max_document_bytes": int, "html_extractor": str,
-    "allow_network": bool, "max_shard_bytes": int, "follow_symlinks": bool,
-}
 
 
 @dataclass
@@ -102,12 +108,13 @@ class SourceConfig:
     """One named source: files, directories or globs (relative to the current directory) read
     by the reader their suffix names (``.txt``, ``.jsonl[.gz|.zst]``, ``.json.gz``, ``.parquet``,
     ``.warc[.gz]``), ``stdlib``, or ``hf://name[:config]/split``. ``options`` go to the reader
-    (e.g. ``text_field``, ``max_shard_bytes``), but for ``follow_symlinks``: true reads the files
-    behind symbolic links that lead out of a source directory, which are skipped otherwise."""
+    (:class:`~olmoflow.data.sources.SourceOptions`: e.g. ``text_field``, ``max_shard_bytes``),
+    but for ``follow_symlinks``: true reads the files behind symbolic links that lead out of a
+    source directory, which are skipped otherwise."""
 
     name: str = ""
     paths: list[str] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: SourceOptions = field(default_factory=SourceOptions)
 
 
 @dataclass
@@ -128,7 +135,12 @@ class TokenizeStepConfig:
     ``implementation`` and ``vocab_size`` is trained on the mixed documents into
     ``DIR/tokenizer`` (the main flow's trainer). The held-out split follows the main flow's rule:
     whole documents with ``heldout_score(seed, id) < heldout_fraction``, at most
-    ``heldout_max_documents``."""
+    ``heldout_max_documents``.
+
+    Raises:
+        ConfigValueError: ``vocab_size`` below 1, ``min_frequency`` or ``heldout_max_documents``
+            below 0, ``heldout_fraction`` outside [0, 1] (NaN included), ``workers`` below 1.
+    """
 
     tokenizer: str | None = None
     implementation: str = "bpe"
@@ -139,6 +151,21 @@ class TokenizeStepConfig:
     seed: int = 0
     heldout_fraction: float = 0.02
     heldout_max_documents: int = 200
+
+    def __post_init__(self) -> None:
+        check_int64(self)
+        if self.vocab_size < 1:
+            raise ConfigValueError("vocab_size", f"must be at least 1, got {self.vocab_size}")
+        if self.min_frequency < 0:
+            raise ConfigValueError("min_frequency", f"must be >= 0, got {self.min_frequency}")
+        if not 0.0 <= self.heldout_fraction <= 1.0:  # written so that NaN fails too
+            raise ConfigValueError("heldout_fraction", "must be in [0, 1], got "
+                                                       f"{self.heldout_fraction}")
+        if self.heldout_max_documents < 0:
+            raise ConfigValueError("heldout_max_documents", "must be >= 0, got "
+                                                            f"{self.heldout_max_documents}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigValueError("workers", f"must be a positive integer, got {self.workers}")
 
 
 @dataclass
@@ -155,9 +182,9 @@ class DataConfig:
     quality: QualityConfig = field(default_factory=QualityConfig)
     taggers: list[Any] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)
-    dedup: dict[str, Any] = field(default_factory=dict)
-    decontaminate: dict[str, Any] = field(default_factory=dict)
-    mixer: dict[str, Any] = field(default_factory=dict)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontaminate: DecontamConfig = field(default_factory=DecontamConfig)
+    mixer: MixConfig = field(default_factory=MixConfig)
     tokenize: TokenizeStepConfig = field(default_factory=TokenizeStepConfig)
 
     @classmethod
@@ -179,13 +206,13 @@ class DataConfig:
 
 
 def validate(cfg: DataConfig) -> DataConfig:
-    """Check choices and names; return ``cfg``.
+    """Check what spans fields or needs the registries (the sections checked their own values
+    when :func:`olmoflow.config.from_dict` built them); return ``cfg``.
 
     Raises:
         OlmoflowError: unknown executor or step, a source without name or paths, two sources
-            with the same name, a name that is no plain directory name (or over 255 bytes), a
-            source, dedup, decontaminate, mixer, tagger or quality option of the wrong type, or a
-            tokenize or quality value out of range.
+            with the same name, a name that is no plain directory name (or over 255 bytes), or a
+            tagger or quality option that is unknown or of the wrong type.
     """
     from olmoflow.data.executor import EXECUTORS
 
@@ -206,20 +233,9 @@ def validate(cfg: DataConfig) -> DataConfig:
         if len(os.fsencode(s.name)) > NAME_MAX:
             raise OlmoflowError(f"sources[{i}].name is {len(os.fsencode(s.name))} bytes long; a "
                                 f"directory name holds at most {NAME_MAX}")
-        check_source_options(s.options, f"sources[{i}].options")
         seen.add(s.name)
-    for n in (cfg.workers, cfg.tokenize.workers):
-        if n is not None and n < 1:
-            raise OlmoflowError(f"workers must be a positive integer, got {n}")
-    from olmoflow.data.decontam import DecontamConfig
-    from olmoflow.data.dedup import DedupConfig, MinHashConfig
-    from olmoflow.data.mixer import MixConfig
-
-    _check_scalar_fields(DedupConfig, cfg.dedup, "dedup")
-    if isinstance(cfg.dedup.get("minhash"), dict):
-        _check_scalar_fields(MinHashConfig, cfg.dedup["minhash"], "dedup.minhash")
-    _check_scalar_fields(DecontamConfig, cfg.decontaminate, "decontaminate")
-    _check_scalar_fields(MixConfig, cfg.mixer, "mixer")
+    if cfg.workers is not None and cfg.workers < 1:
+        raise OlmoflowError(f"workers must be a positive integer, got {cfg.workers}")
     from olmoflow.data.taggers import check_taggers
     from olmoflow.data.taggers.quality import check_train_options
 
@@ -230,69 +246,7 @@ def validate(cfg: DataConfig) -> DataConfig:
         raise OlmoflowError(f"config key 'quality.options' expects a mapping, got "
                             f"{reprlib.repr(cfg.quality.options)}")
     check_train_options(cfg.quality.options)
-    t = cfg.tokenize
-    if t.vocab_size < 1:
-        raise OlmoflowError(f"tokenize.vocab_size must be at least 1, got {t.vocab_size}")
-    if t.min_frequency < 0:
-        raise OlmoflowError(f"tokenize.min_frequency must be >= 0, got {t.min_frequency}")
-    if not 0.0 <= t.heldout_fraction <= 1.0:  # written so that NaN fails too
-        raise OlmoflowError(f"tokenize.heldout_fraction must be in [0, 1], got "
-                            f"{t.heldout_fraction}")
-    if t.heldout_max_documents < 0:
-        raise OlmoflowError(f"tokenize.heldout_max_documents must be >= 0, got "
-                            f"{t.heldout_max_documents}")
     return cfg
-
-
-def _check_scalar_fields(cls: type, data: dict[str, Any], where: str) -> None:
-    """Check the types of the fields of the step config ``cls`` that hold a number, string or
-    boolean (or null), as they stand in ``data``; the step's own ``from_dict`` checks names and
-    ranges. Integers must fit in 64 bits (NumPy and the hashes take them as C integers).
-
-    Raises:
-        OlmoflowError: a value of the wrong type, or an integer that does not fit, naming the key.
-    """
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        tp = hints.get(key) if isinstance(key, str) else None
-        args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union,
-                                                                      types.UnionType) else {tp}
-        if value is None and type(None) in args:
-            continue
-        scalars = args & {int, float, str, bool}
-        if len(scalars) != 1 or args - scalars - {type(None)}:
-            continue  # not a plain scalar field: the step's own from_dict checks it
-        (base,) = scalars
-        name = f"{where}.{key}"
-        coerce(value, base, name)
-        if base is int and not -2**63 <= value < 2**63:
-            raise OlmoflowError(f"config key '{name}' does not fit in 64 bits, got {value}")
-
-
-def check_source_options(options: dict[str, Any], where: str) -> None:
-    """Check the types of the source ``options`` that ingest reads (:data:`SOURCE_OPTIONS`);
-    other keys are left to the reader.
-
-    Raises:
-        OlmoflowError: a value of the wrong type, or a byte limit outside [1, 2**63), naming the
-            key (``sources[0].options.max_shard_bytes``).
-    """
-    for key, value in options.items():
-        tp = SOURCE_OPTIONS.get(key)
-        if tp is None:
-            continue
-        name = f"{where}.{key}"
-        if value is None and tp is int:
-            continue
-        if tp is int and (not isinstance(value, int) or isinstance(value, bool)):
-            raise OlmoflowError(f"config key '{name}' expects an integer, got "
-                                f"{reprlib.repr(value)}")  # reprlib: bounded even when deep
-        if tp is int and not 1 <= value < 2**63:
-            # Beyond a C integer, the reader's limits fail with OverflowError mid-ingest.
-            raise OlmoflowError(f"config key '{name}' must be in [1, 2**63), got {value}")
-        if tp is not int and not isinstance(value, tp):
-            raise OlmoflowError(f"config key '{name}' expects {tp.__name__}, got "
-                                f"{reprlib.repr(value)}")
 
 
 def load_data_config(path: str | os.PathLike, overrides: list[str] | None = None,

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from olmoflow.artifacts import atomic_open, atomic_write_json, sha256_file, sha256_json
+from olmoflow.config import ConfigValueError, as_section, check_int64
 from olmoflow.data.ngrams import (
     WORD_RE,
     ngram_hashes,
@@ -178,8 +179,14 @@ def _custom(spec: dict[str, Any], name: str) -> Iterator[list[str]]:
 
 @dataclasses.dataclass
 class DecontamConfig:
-    """``ngram`` words per overlap; built-in ``evals`` read from ``eval_dir``; extra ``files``;
-    ``action`` drop (the mixer excludes contaminated documents) or tag (recorded only)."""
+    """The data engine's ``decontaminate`` section: ``ngram`` words per overlap; built-in
+    ``evals`` read from ``eval_dir``; extra ``files``; ``action`` drop (the mixer excludes
+    contaminated documents) or tag (recorded only).
+
+    Raises:
+        ConfigValueError: ``ngram`` below 1, an unknown action or eval set (naming the closest),
+            a file set without ``path`` or with a taken name, no eval set, or more than 64.
+    """
 
     ngram: int = 13
     evals: list[str] = dataclasses.field(default_factory=lambda: list(BUILTIN_EVALS))
@@ -187,47 +194,26 @@ class DecontamConfig:
     files: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     action: str = "drop"
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | DecontamConfig | None, where: str = "decontaminate"
-                  ) -> DecontamConfig:
-        """Build and check a config from its YAML mapping.
-
-        Raises:
-            OlmoflowError: unknown key, eval set or action (closest valid one named), bad ngram.
-        """
-        if isinstance(data, DecontamConfig):
-            cfg = data
-        else:
-            data = dict(data or {})
-            names = [f.name for f in dataclasses.fields(cls)]
-            for k in data:
-                if k not in names:
-                    raise OlmoflowError(unknown_name_error(f"{where} key", str(k), names).args[0])
-            if isinstance(data.get("evals"), str):
-                data["evals"] = [data["evals"]]
-            cfg = cls(**data)
-        if not isinstance(cfg.ngram, int) or isinstance(cfg.ngram, bool) or cfg.ngram < 1:
-            raise OlmoflowError(f"{where}.ngram must be a positive integer, got {cfg.ngram!r}")
-        if cfg.action not in ACTIONS:
-            raise OlmoflowError(unknown_name_error(f"{where}.action", str(cfg.action),
-                                                   ACTIONS).args[0])
-        if not isinstance(cfg.files, dict) or not isinstance(cfg.evals, list):
-            raise OlmoflowError(f"{where}: 'evals' must be a list of names and 'files' a mapping "
-                                "of name to {path, fields}")
-        for name in cfg.evals:
-            if not isinstance(name, str) or name not in BUILTIN_EVALS:
-                raise OlmoflowError(unknown_name_error(f"{where}.evals set", str(name),
-                                                       BUILTIN_EVALS).args[0])
-        for name, spec in cfg.files.items():
+    def __post_init__(self) -> None:
+        check_int64(self)
+        if self.ngram < 1:
+            raise ConfigValueError("ngram", f"must be a positive integer, got {self.ngram!r}")
+        if self.action not in ACTIONS:
+            raise ConfigValueError("action", unknown_name_error("action", self.action,
+                                                                ACTIONS).args[0])
+        for name in self.evals:
+            if name not in BUILTIN_EVALS:
+                raise ConfigValueError("evals", unknown_name_error("eval set", name,
+                                                                   BUILTIN_EVALS).args[0])
+        for name, spec in self.files.items():
             if not isinstance(spec, dict) or "path" not in spec:
-                raise OlmoflowError(f"{where}.files.{name} needs a 'path' (and 'fields' for JSONL)")
-            if name in cfg.evals or not isinstance(name, str) or not re.fullmatch(r"\w+", name):
-                raise OlmoflowError(f"{where}.files: eval set name '{name}' is taken or not a word")
-        if not cfg.set_names():
-            raise OlmoflowError(f"{where}: no eval sets; list some in 'evals' or 'files'")
-        if len(cfg.set_names()) > MAX_SETS:
-            raise OlmoflowError(f"{where}: at most {MAX_SETS} eval sets")
-        return cfg
+                raise ConfigValueError(f"files.{name}", "needs a 'path' (and 'fields' for JSONL)")
+            if name in self.evals or not re.fullmatch(r"\w+", name):
+                raise ConfigValueError("files", f"eval set name '{name}' is taken or not a word")
+        if not self.set_names():
+            raise ConfigValueError("", "no eval sets; list some in 'evals' or 'files'")
+        if len(self.set_names()) > MAX_SETS:
+            raise ConfigValueError("", f"at most {MAX_SETS} eval sets")
 
     def set_names(self) -> list[str]:
         return [*self.evals, *self.files]
@@ -264,7 +250,7 @@ class DecontamConfig:
 
 def mixer_rules(cfg: DecontamConfig | dict[str, Any]) -> dict[str, Any]:
     """The mixer settings for ``cfg.action``: with ``drop``, exclude contaminated documents."""
-    cfg = DecontamConfig.from_dict(cfg)
+    cfg = as_section(DecontamConfig, cfg, "decontaminate.")
     exclude = ([{"attribute": f"{ATTRIBUTE_SET}__contaminated", "op": "==", "value": 1}]
                if cfg.action == "drop" else [])
     return {"attributes": [ATTRIBUTE_SET], "exclude": exclude, "remove_spans": []}
@@ -304,7 +290,7 @@ def build_index(cfg: DecontamConfig | dict[str, Any]) -> tuple[EvalIndex, dict[s
     Raises:
         OlmoflowError: an eval set's files are missing or unreadable.
     """
-    cfg = DecontamConfig.from_dict(cfg)
+    cfg = as_section(DecontamConfig, cfg, "decontaminate.")
     cache: dict[str, int] = {}
     all_h, all_m, counts = [], [], {}
     for bit, name in enumerate(cfg.set_names()):
@@ -426,7 +412,7 @@ def run_decontam(cfg: DecontamConfig | dict[str, Any] | None, tasks: list[dict[s
     Raises:
         OlmoflowError: bad config, missing eval files, bad lines when ``strict``.
     """
-    cfg = DecontamConfig.from_dict(cfg)
+    cfg = as_section(DecontamConfig, cfg, "decontaminate.")
     work = Path(root) / WORK_DIR / ATTRIBUTE_SET
     index_path, meta_path = work / "index.npz", work / "index.json"
     fingerprint = sha256_json({

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from olmoflow.artifacts import atomic_open, sha256_file
+from olmoflow.config import ConfigValueError, as_section, check_int64
 from olmoflow.data.executor import task_key
 from olmoflow.data.ngrams import digest128, ngram_hashes, unique_sorted, word_hashes, words
 from olmoflow.data.shards import (
@@ -56,7 +57,7 @@ from olmoflow.data.shards import (
     text_bytes,
     write_jsonl_gz,
 )
-from olmoflow.errors import OlmoflowError, unknown_name_error
+from olmoflow.errors import OlmoflowError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,13 @@ ATTRIBUTE_SET = "dedup"
 class MinHashConfig:
     """Near-duplicate detection: Jaccard ``threshold`` over word ``ngram`` shingles, estimated from
     ``num_perm`` MinHash permutations drawn from ``seed``. ``bands`` x ``rows`` fixes the LSH
-    banding (default: datasketch's optimum for the threshold)."""
+    banding (default: datasketch's optimum for the threshold).
+
+    Raises:
+        ConfigValueError: ``threshold`` outside (0, 1], ``ngram`` or ``num_perm`` below 1, only
+            one of ``bands`` and ``rows``, ``bands * rows`` above ``num_perm``, or an integer
+            that does not fit in 64 bits.
+    """
 
     threshold: float = 0.8
     ngram: int = 5
@@ -78,11 +85,30 @@ class MinHashConfig:
     bands: int | None = None
     rows: int | None = None
 
+    def __post_init__(self) -> None:
+        check_int64(self)
+        if not 0.0 < float(self.threshold) <= 1.0:  # written so that NaN fails too
+            raise ConfigValueError("threshold", f"must be in (0, 1], got {self.threshold!r}")
+        for k in ("ngram", "num_perm"):
+            if getattr(self, k) < 1:
+                raise ConfigValueError(k, f"must be a positive integer, got {getattr(self, k)!r}")
+        if (self.bands is None) != (self.rows is None):
+            raise ConfigValueError("", "give both bands and rows, or neither")
+        if self.bands is not None and self.bands * self.rows > self.num_perm:
+            raise ConfigValueError("", f"bands * rows ({self.bands * self.rows}) exceeds "
+                                       f"num_perm ({self.num_perm})")
+
 
 @dataclasses.dataclass
 class DedupConfig:
-    """Which duplicates to find. ``key`` is a dotted path into the document (``metadata.url``);
-    paragraphs shorter than ``min_paragraph_chars`` (after stripping) are never duplicates."""
+    """Which duplicates to find (the data engine's ``dedup`` section). ``key`` is a dotted path
+    into the document (``metadata.url``); paragraphs shorter than ``min_paragraph_chars`` (after
+    stripping) are never duplicates; ``minhash: true`` takes :class:`MinHashConfig`'s defaults.
+
+    Raises:
+        ConfigValueError: ``min_paragraph_chars`` below 1, a ``key`` that is no dotted path or
+            whose attribute name dedup uses already, or nothing enabled.
+    """
 
     exact: bool = True
     key: str | None = None
@@ -91,64 +117,27 @@ class DedupConfig:
     minhash: MinHashConfig | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | DedupConfig | None, where: str = "dedup"
-                  ) -> DedupConfig:
-        """Build and check a config from its YAML mapping (``minhash: true`` takes defaults).
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """``minhash: true`` is MinHash with its defaults, ``minhash: false`` none."""
+        if data.get("minhash") is True:
+            data["minhash"] = {}
+        elif data.get("minhash") is False:
+            data["minhash"] = None
+        return data
 
-        Raises:
-            OlmoflowError: unknown key (closest valid one named) or a value out of range.
-        """
-        if isinstance(data, DedupConfig):
-            cfg = data
-        else:
-            data = dict(data or {})
-            names = [f.name for f in dataclasses.fields(cls)]
-            for k in data:
-                if k not in names:
-                    raise OlmoflowError(unknown_name_error(f"{where} key", str(k), names).args[0])
-            mh = data.get("minhash")
-            if mh is True:
-                data["minhash"] = MinHashConfig()
-            elif mh in (False, None):
-                data["minhash"] = None
-            elif isinstance(mh, dict):
-                mnames = [f.name for f in dataclasses.fields(MinHashConfig)]
-                for k in mh:
-                    if k not in mnames:
-                        raise OlmoflowError(
-                            unknown_name_error(f"{where}.minhash key", str(k), mnames).args[0])
-                data["minhash"] = MinHashConfig(**mh)
-            elif not isinstance(mh, MinHashConfig):
-                raise OlmoflowError(f"{where}.minhash must be true/false or a mapping, got {mh!r}")
-            cfg = cls(**data)
-        mh = cfg.minhash
-        if mh is not None:
-            if isinstance(mh.threshold, bool) or not isinstance(mh.threshold, int | float) \
-                    or not 0.0 < float(mh.threshold) <= 1.0:
-                raise OlmoflowError(f"{where}.minhash.threshold must be in (0, 1], got "
-                                    f"{mh.threshold!r}")
-            for k in ("ngram", "num_perm"):
-                if not isinstance(getattr(mh, k), int) or getattr(mh, k) < 1:
-                    raise OlmoflowError(f"{where}.minhash.{k} must be a positive integer")
-            if (mh.bands is None) != (mh.rows is None):
-                raise OlmoflowError(f"{where}.minhash: give both bands and rows, or neither")
-            if mh.bands is not None and mh.bands * mh.rows > mh.num_perm:
-                raise OlmoflowError(f"{where}.minhash: bands * rows ({mh.bands * mh.rows}) exceeds "
-                                    f"num_perm ({mh.num_perm})")
-        for k in ("exact", "paragraphs"):
-            if not isinstance(getattr(cfg, k), bool):
-                raise OlmoflowError(f"{where}.{k} expects true/false, got {getattr(cfg, k)!r}")
-        if not isinstance(cfg.min_paragraph_chars, int) or cfg.min_paragraph_chars < 1:
-            raise OlmoflowError(f"{where}.min_paragraph_chars must be a positive integer")
-        if cfg.key is not None and not (isinstance(cfg.key, str) and cfg.key.strip(".")):
-            raise OlmoflowError(f"{where}.key must be a dotted path such as 'metadata.url'")
-        if cfg.key and key_attribute(cfg.key) in {f"{ATTRIBUTE_SET}__{n}" for n in
-                                                  ("exact", "paragraphs", "minhash")}:
-            raise OlmoflowError(f"{where}.key '{cfg.key}' would be written as "
-                                f"{key_attribute(cfg.key)}, a name dedup already uses")
-        if not (cfg.exact or cfg.key or cfg.paragraphs or cfg.minhash):
-            raise OlmoflowError(f"{where}: nothing to do; enable exact, key, paragraphs or minhash")
-        return cfg
+    def __post_init__(self) -> None:
+        check_int64(self)
+        if self.min_paragraph_chars < 1:
+            raise ConfigValueError("min_paragraph_chars", "must be a positive integer, got "
+                                                          f"{self.min_paragraph_chars!r}")
+        if self.key is not None and not self.key.strip("."):
+            raise ConfigValueError("key", "must be a dotted path such as 'metadata.url'")
+        if self.key and key_attribute(self.key) in {f"{ATTRIBUTE_SET}__{n}" for n in
+                                                    ("exact", "paragraphs", "minhash")}:
+            raise ConfigValueError("key", f"'{self.key}' would be written as "
+                                          f"{key_attribute(self.key)}, a name dedup already uses")
+        if not (self.exact or self.key or self.paragraphs or self.minhash):
+            raise ConfigValueError("", "nothing to do; enable exact, key, paragraphs or minhash")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -176,7 +165,7 @@ def key_attribute(key: str) -> str:
 def mixer_rules(cfg: DedupConfig | dict[str, Any]) -> dict[str, Any]:
     """The mixer settings that remove what ``cfg`` flags: ``{"attributes", "exclude",
     "remove_spans"}`` to merge into a :class:`olmoflow.data.mixer.MixConfig` mapping."""
-    cfg = DedupConfig.from_dict(cfg)
+    cfg = as_section(DedupConfig, cfg, "dedup.")
     doc_attrs = [a for a in cfg.attributes() if a != f"{ATTRIBUTE_SET}__paragraphs"]
     return {
         "attributes": [ATTRIBUTE_SET],
@@ -266,7 +255,7 @@ def dedup_map_shard(task: dict[str, Any]) -> dict[str, Any]:
     128-bit hashes) with ``key_ok``, ``minhash`` ((n, num_perm) uint32) with ``minhash_ok``; and
     per paragraph: ``para_hash`` ((m, 2) uint64), ``para_doc``, ``para_start``, ``para_end``.
     """
-    cfg = DedupConfig.from_dict(task["config"])
+    cfg: DedupConfig = task["config"]
     strict = bool(task.get("strict"))
     errors: list[str] = []
     valid, exact, keys, key_ok, sigs, sig_ok = [], [], [], [], [], []
@@ -430,7 +419,7 @@ def dedup_write_shard(task: dict[str, Any]) -> dict[str, Any]:
         ``dedup__paragraphs``, documents touched and bytes inside duplicate paragraphs) and
         ``outputs``.
     """
-    cfg = DedupConfig.from_dict(task["config"])
+    cfg: DedupConfig = task["config"]
     maps = dict(np.load(task["map"]))
     flags = dict(np.load(task["reduce"]))
     names = cfg.attributes()
@@ -504,14 +493,14 @@ def run_dedup(cfg: DedupConfig | dict[str, Any] | None, tasks: list[dict[str, An
     Raises:
         OlmoflowError: bad config; bad lines when ``strict``.
     """
-    cfg = DedupConfig.from_dict(cfg)
+    cfg = as_section(DedupConfig, cfg, "dedup.")
     if cfg.minhash:
         _lsh(cfg.minhash)  # a banding error now, not after hashing the corpus
     work = Path(root) / WORK_DIR / ATTRIBUTE_SET
     map_tasks = []
     for t in tasks:
         mt = {"step": "dedup-map", "documents": str(t["input"]),
-              "input_sig": input_signature(t["input"]), "config": cfg.to_dict(), "strict": strict}
+              "input_sig": input_signature(t["input"]), "config": cfg, "strict": strict}
         # Named by the task's hash: a marker can never vouch for another config's hashes.
         map_tasks.append({**mt, "output": str(work / "map" / f"{task_key(mt)}.npz")})
     map_results = run_jobs(ATTRIBUTE_SET, dedup_map_shard, map_tasks, phase="map")
@@ -524,7 +513,7 @@ def run_dedup(cfg: DedupConfig | dict[str, Any] | None, tasks: list[dict[str, An
             "step": "dedup-write", "documents": mt["documents"], "input_sig": mt["input_sig"],
             "map": mt["output"], "reduce": str(reduce_path),
             "reduce_sha256": sha256_file(reduce_path), "output": str(t["output"]),
-            "config": cfg.to_dict(),
+            "config": cfg,
         })
     results = run_jobs(ATTRIBUTE_SET, dedup_write_shard, write_tasks, phase="write")
     # Bad lines are found while hashing; report them with the shard's final stats.

@@ -23,8 +23,9 @@ path inside ``DIR`` is refused (ingest would delete it as a stale shard). One pr
 runs in ``DIR``: :meth:`Engine.run` holds its lock (``DIR/.olmoflow-lock``).
 
 The config is YAML, parsed by :func:`olmoflow.config.from_dict` like run configs: unknown keys are
-errors naming the closest valid key. The sections ``dedup``, ``decontaminate`` and ``mixer`` are
-handed to their modules, which validate them. One name per idea: the step and its config section
+errors naming the closest valid key. Every section is a dataclass (``dedup``, ``decontaminate``
+and ``mixer`` live beside their modules), checked when it is built; steps and shard jobs use the
+dataclasses as they are. One name per idea: the step and its config section
 are ``decontaminate``; the attribute set it writes (``attributes/decontam``, attributes
 ``decontam__<eval set>``, which mixer rules name) keeps its short name.
 """

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -51,9 +52,23 @@ STAT_KEYS = ("documents_in", "documents_out", "bytes_in", "bytes_out", "tokens")
 ShardJob = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+def plain(value: Any) -> Any:
+    """``value`` with every config dataclass in it (a task's :class:`MixConfig`, its
+    :class:`SourceOptions`, ...) turned into its fields' mapping (``dataclasses.asdict``), for
+    JSON: task keys and done-markers."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
 def task_key(task: dict[str, Any]) -> str:
-    """A stable name for a task: the first 24 hex digits of sha256 of its sorted-key JSON."""
-    return sha256_json(task)[:24]
+    """A stable name for a task: the first 24 hex digits of sha256 of its sorted-key JSON (config
+    dataclasses in it as their fields' mappings, :func:`plain`)."""
+    return sha256_json(plain(task))[:24]
 
 
 def _outputs(task: dict[str, Any], result: dict[str, Any]) -> list[str]:
@@ -109,7 +124,7 @@ def _mark_done(done_dir: Path, task: dict[str, Any], result: dict[str, Any]) -> 
             raise RuntimeError(f"shard job reported output {p} but did not write it")
         outs.append({"path": o, "bytes": p.stat().st_size})
     atomic_write_json(marker_path(done_dir, task),
-                      {"task": task, "result": result, "inputs": _input_stamps(task),
+                      {"task": plain(task), "result": result, "inputs": _input_stamps(task),
                        "outputs": outs, "finished": time.time()})
 
 
@@ -139,7 +154,8 @@ def run_shards(
 
     Args:
         fn: a top-level shard job (picklable by reference).
-        tasks: plain-value dicts (JSON-able; they are hashed to name done-markers).
+        tasks: dicts of plain values and config dataclasses (picklable; hashed, the dataclasses
+            as their fields, to name done-markers).
         executor: ``"local"`` (a process pool with the ``forkserver`` start method, safe when torch
             is loaded), ``"ray"`` (Ray tasks, one CPU each) or ``"serial"`` (in this process).
         workers: processes (local) or CPUs for a local Ray instance; default ``os.cpu_count()``.

@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from olmoflow.artifacts import atomic_open
+from olmoflow.config import ConfigValueError, as_section, check_int64
 from olmoflow.data.documents import encode_document
 from olmoflow.data.executor import sum_stats
-from olmoflow.data.rules import Rule, parse_rule
+from olmoflow.data.rules import parse_rule
 from olmoflow.data.shards import (
     ATTRIBUTES_DIR,
     DOCUMENTS_DIR,
@@ -67,16 +68,24 @@ from olmoflow.errors import OlmoflowError, closest, unknown_name_error
 
 @dataclasses.dataclass
 class MixConfig:
-    """The mixer's options (see the module docstring for what each does).
+    """The mixer's options, the data engine's ``mixer`` section (see the module docstring for
+    what each does).
 
-    ``attributes`` lists the attribute sets to read (directories under ``DIR/attributes``).
-    ``replace`` maps an attribute to the text that replaces its spans; ``remove_spans`` lists
-    attributes whose spans are deleted. Only spans with a score > 0 are edited.
+    ``attributes`` lists the attribute sets to read (directories under ``DIR/attributes``; None:
+    in the data engine, every set its finished steps wrote, else none). ``include`` and
+    ``exclude`` hold rules, each a string or a mapping (:func:`olmoflow.data.rules.parse_rule`),
+    made :class:`Rule` objects here. ``replace`` maps an attribute to the text that replaces its
+    spans; ``remove_spans`` lists attributes whose spans are deleted. Only spans with a score > 0
+    are edited.
+
+    Raises:
+        ConfigValueError: a rule that does not parse, a negative or infinite weight, a size
+            limit below 1, or an integer that does not fit in 64 bits.
     """
 
-    attributes: list[str] = dataclasses.field(default_factory=list)
-    include: list[Rule] = dataclasses.field(default_factory=list)
-    exclude: list[Rule] = dataclasses.field(default_factory=list)
+    attributes: list[str] | None = None
+    include: list[Any] = dataclasses.field(default_factory=list)
+    exclude: list[Any] = dataclasses.field(default_factory=list)
     weights: dict[str, float] = dataclasses.field(default_factory=dict)
     seed: int = 0
     replace: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -88,45 +97,38 @@ class MixConfig:
     write_dropped: bool = True
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | MixConfig | None, where: str = "mix") -> MixConfig:
-        """Build and check a config from its YAML mapping.
-
-        Raises:
-            OlmoflowError: unknown key (closest valid one named), bad rule, weight or limit.
-        """
-        if isinstance(data, MixConfig):
-            return data
-        data = dict(data or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                raise OlmoflowError(unknown_name_error(f"{where} key", str(key), names).args[0])
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """One rule given as a mapping is a list of one rule."""
         for key in ("include", "exclude"):
-            rules = data.get(key) or []
-            if not isinstance(rules, list):
-                rules = [rules]
-            data[key] = [parse_rule(r, f"{where}.{key}[{i}]") for i, r in enumerate(rules)]
-        for key in ("attributes", "remove_spans"):
-            value = data.get(key) or []
-            data[key] = [value] if isinstance(value, str) else [str(v) for v in value]
-        for key in ("weights", "replace"):
-            if not isinstance(data.get(key) or {}, dict):
-                raise OlmoflowError(f"{where}.{key} must be a mapping, got {data[key]!r}")
-        data["replace"] = {str(k): str(v) for k, v in (data.get("replace") or {}).items()}
-        weights = {}
-        for src, w in (data.get("weights") or {}).items():
-            if isinstance(w, bool) or not isinstance(w, int | float) or w < 0 or math.isinf(w):
-                raise OlmoflowError(f"{where}.weights.{src} must be a number >= 0, got {w!r}")
-            weights[str(src)] = float(w)
-        data["weights"] = weights
+            if isinstance(data.get(key), dict):
+                data[key] = [data[key]]
+        return data
+
+    def __post_init__(self) -> None:
+        check_int64(self)
+        for key in ("include", "exclude"):
+            rules = []
+            for i, r in enumerate(getattr(self, key)):
+                try:
+                    rules.append(parse_rule(r, f"{key}[{i}]"))
+                except OlmoflowError as e:  # parse_rule's message begins with its "where"
+                    where, _, problem = str(e).partition(": ")
+                    raise ConfigValueError(where, problem) from None
+            setattr(self, key, rules)
+        for src, w in self.weights.items():
+            if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf:
+                raise ConfigValueError(f"weights.{src}", f"must be a number >= 0, got {w!r}")
+        self.weights = {src: float(w) for src, w in self.weights.items()}
+        for attr, text in self.replace.items():
+            if not isinstance(text, str):
+                raise ConfigValueError(f"replace.{attr}", f"must be a string, got {text!r}")
         for key in ("max_documents", "max_bytes", "max_documents_per_shard", "max_bytes_per_shard"):
-            v = data.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise OlmoflowError(f"{where}.{key} must be a positive integer, got {v!r}")
-        return cls(**data)
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigValueError(key, f"must be a positive integer, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (rules as mappings), the form shard tasks carry."""
+        """Plain values (rules as mappings), for manifests and fingerprints."""
         return dataclasses.asdict(self)
 
 
@@ -298,7 +300,7 @@ def mix_shard(task: dict[str, Any]) -> dict[str, Any]:
     """Shard job: mix one documents shard (see the module docstring).
 
     ``task``: ``documents`` (path), ``attributes`` ({set: path}), ``output_dir``, ``stem``,
-    ``source``, ``config`` (:meth:`MixConfig.to_dict`), ``dropped`` (path or None), ``quota``
+    ``source``, ``config`` (a :class:`MixConfig`), ``dropped`` (path or None), ``quota``
     (``{"documents", "bytes"}`` left for this shard under the total limits, or None), ``dry_run``
     (count only, write nothing), ``strict``.
 
@@ -310,7 +312,7 @@ def mix_shard(task: dict[str, Any]) -> dict[str, Any]:
     Raises:
         OlmoflowError: attribute files not line-aligned with the documents; bad lines with strict.
     """
-    cfg = MixConfig.from_dict(task["config"])
+    cfg: MixConfig = task["config"]
     dry = bool(task.get("dry_run"))
     quota = task.get("quota") or {}
     q_docs, q_bytes = quota.get("documents"), quota.get("bytes")
@@ -508,7 +510,9 @@ def mix(
         OlmoflowError: bad config, an unknown attribute in a rule (closest name suggested), an
             unknown source in ``weights``, missing or misaligned attribute files.
     """
-    cfg = MixConfig.from_dict(cfg)
+    cfg = as_section(MixConfig, cfg, "mixer.")
+    if cfg.attributes is None:
+        cfg = dataclasses.replace(cfg, attributes=[])
     data_dir = Path(data_dir)
     shards = document_shards(data_dir)
     sources = sorted({shard_source(s) for s in shards})
@@ -528,7 +532,7 @@ def mix(
         "output_dir": str(out_dir),
         "stem": shard_stem(shard),
         "source": shard_source(shard),
-        "config": cfg.to_dict(),
+        "config": cfg,
         "dropped": str(attribute_path(data_dir, "mixer", shard)) if cfg.write_dropped else None,
         "quota": None,
         "strict": strict,

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from olmoflow.config import ConfigValueError
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,12 @@ class ReadOptions:
     ``.txt`` file, Parquet or HF text, WARC payload) larger than this is skipped as ``too_large``
     without being held in memory whole (``None``: no limit). ``html_extractor``: ``resiliparse``
     or ``trafilatura``. ``allow_network``: let ``hf://`` sources reach the Hugging Face Hub
-    (off by default; local dataset directories always work).
+    (off by default; local dataset directories always work). Parsed from a config mapping by
+    :func:`olmoflow.config.from_dict` (unknown keys named with the closest valid one).
+
+    Raises:
+        ConfigValueError: an unknown ``html_extractor`` or a ``max_document_bytes`` outside
+            [1, 2**63).
     """
 
     text_field: str = "text"
@@ -60,18 +66,14 @@ class ReadOptions:
     html_extractor: str = "resiliparse"
     allow_network: bool = False
 
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any] | None) -> ReadOptions:
-        """Options from a plain dict (a task's config). Unknown keys are ignored so one config dict
-        can carry the keys of several steps; bad values raise OlmoflowError."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        opts = cls(**{k: v for k, v in (values or {}).items() if k in names})
-        if opts.html_extractor not in HTML_EXTRACTORS:
-            raise unknown_name_error("html_extractor", str(opts.html_extractor), HTML_EXTRACTORS)
-        if opts.max_document_bytes is not None and opts.max_document_bytes < 1:
-            raise OlmoflowError("max_document_bytes must be at least 1, got "
-                                f"{opts.max_document_bytes}")
-        return opts
+    def __post_init__(self) -> None:
+        if self.html_extractor not in HTML_EXTRACTORS:
+            raise ConfigValueError("html_extractor", unknown_name_error(
+                "html_extractor", str(self.html_extractor), HTML_EXTRACTORS).args[0])
+        if self.max_document_bytes is not None and not 1 <= self.max_document_bytes < 2**63:
+            # Beyond a C integer, the reader's limits fail with OverflowError mid-ingest.
+            raise ConfigValueError("max_document_bytes", "must be in [1, 2**63), got "
+                                                         f"{self.max_document_bytes}")
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from olmoflow.artifacts import MANIFEST, StageResult
+from olmoflow.config import ConfigValueError, as_section, from_dict
 from olmoflow.data.documents import DOCUMENTS, ShardWriter, write_documents
 from olmoflow.data.readers import (
     FORMATS,
@@ -44,7 +45,7 @@ from olmoflow.data.readers import (
     python_version,
     read_input,
 )
-from olmoflow.errors import OlmoflowError, unknown_name_error
+from olmoflow.errors import OlmoflowError
 
 if TYPE_CHECKING:
     from olmoflow.data.config import CollectConfig
@@ -54,11 +55,40 @@ __all__ = ["STDLIB", "SUFFIXES", "INGEST_OPTIONS", "collect", "source_files", "p
 
 STDLIB = "stdlib"
 SUFFIXES = tuple(sorted(FORMATS))
-#: Keys an ingest task (or a source's ``options``) may set, besides the task's own keys.
-#: ``follow_symlinks`` is a source's only: it decides which files become tasks.
-INGEST_OPTIONS = (*(f.name for f in dataclasses.fields(ReadOptions)), "max_shard_bytes",
-                  "follow_symlinks")
 _TASK_KEYS = ("input", "name", "source", "output", "strict", "options")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceOptions(ReadOptions):
+    """A data engine source's ``options``: how its files are read (:class:`ReadOptions`; a
+    ``strict`` given here overrides the run's), ``max_shard_bytes`` (split a document shard past
+    this many bytes; None: never) and ``follow_symlinks`` (read the files behind symbolic links
+    that lead out of a source directory, which are skipped otherwise). Parsed by
+    :func:`olmoflow.config.from_dict`; an ingest task carries one.
+
+    Raises:
+        ConfigValueError: a value out of range (:class:`ReadOptions`' checks, ``max_shard_bytes``
+            outside [1, 2**63)).
+    """
+
+    strict: bool | None = None
+    max_shard_bytes: int | None = None
+    follow_symlinks: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_shard_bytes is not None and not 1 <= self.max_shard_bytes < 2**63:
+            raise ConfigValueError("max_shard_bytes", "must be in [1, 2**63), got "
+                                                      f"{self.max_shard_bytes}")
+
+    def read_options(self, strict: bool) -> ReadOptions:
+        """The :class:`ReadOptions` part, with the run's ``strict`` unless this one sets it."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReadOptions)}
+        return ReadOptions(**{**values, "strict": strict if self.strict is None else self.strict})
+
+
+#: The keys of a source's ``options`` (:class:`SourceOptions`).
+INGEST_OPTIONS = tuple(f.name for f in dataclasses.fields(SourceOptions))
 log = logging.getLogger(__name__)
 
 
@@ -330,29 +360,28 @@ def _shard_stem(index: int, inp: Input) -> str:
 
 def ingest_tasks(
     source: str, entries: list[str], out_dir: str | os.PathLike, *,
-    options: dict[str, Any] | None = None, strict: bool = False,
+    options: SourceOptions | dict[str, Any] | None = None, strict: bool = False,
 ) -> list[dict[str, Any]]:
     """The :func:`ingest_shard` tasks of one named source: one per input file (or stdlib, or
     ``hf://`` split), each writing ``<out_dir>/<source>/<index>_<file stem>.jsonl.gz``.
 
     Document ids are ``<source>/<path relative to its entry>`` plus the line or row, so they do
-    not depend on where the data lives. ``options`` (see :data:`INGEST_OPTIONS`) are copied into
-    every task, except ``follow_symlinks``: symbolic links in a source directory that lead
-    outside it are skipped (one warning names the first) unless it is true.
+    not depend on where the data lives. ``options`` (:class:`SourceOptions` or its mapping) go
+    into every task as a :class:`SourceOptions` (``follow_symlinks`` left out: it decides which
+    files become tasks): symbolic links in a source directory that lead outside it are skipped
+    (one warning names the first) unless ``follow_symlinks`` is true.
 
     Raises:
         OlmoflowError: an entry that matches nothing or names an unsupported file, a source name
-            that is not a plain directory name, an unknown option (naming the closest one), or a
-            ``follow_symlinks`` that is not true or false.
+            that is not a plain directory name, an unknown option (naming the closest one), or an
+            option of the wrong type.
     """
     if not source or not re.fullmatch(r"[A-Za-z0-9._-]+", source) or source in (".", ".."):
         raise OlmoflowError(f"source name '{source}' must be a plain name (letters, digits, . _ -)")
-    options = dict(options or {})
-    _check_options(options)
-    follow = options.pop("follow_symlinks", False)
-    if not isinstance(follow, bool):
-        raise OlmoflowError(f"sources option follow_symlinks must be true or false, got "
-                            f"{follow!r}")
+    opts = as_section(SourceOptions, options, "options.")
+    follow = opts.follow_symlinks
+    task_opts = dataclasses.replace(opts, follow_symlinks=False, strict=None)
+    strict = strict if opts.strict is None else opts.strict
     links: list[Path] = []
     tasks = []
     for i, inp in enumerate(plan_inputs(entries, label=source, follow_symlinks=follow,
@@ -360,17 +389,25 @@ def ingest_tasks(
         tasks.append({
             "input": inp.path or inp.spec or STDLIB, "name": inp.name, "source": source,
             "output": str(Path(out_dir) / source / f"{_shard_stem(i, inp)}{ShardWriter.SUFFIX}"),
-            "strict": strict, **options,
+            "strict": strict, "options": task_opts,
         })
     warn_skipped_links(links, f"source '{source}'",
                        "--follow-symlinks or the source option follow_symlinks: true")
     return tasks
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    for key in options:
-        if key not in INGEST_OPTIONS:
-            raise unknown_name_error("ingest option", key, INGEST_OPTIONS)
+def _task_options(task: dict[str, Any]) -> SourceOptions:
+    """The :class:`SourceOptions` of an ingest task: the one it carries, else (a task written by
+    hand, or read back from JSON) its option keys, at the top level or under ``options``, parsed
+    by :func:`olmoflow.config.from_dict`."""
+    opts = task.get("options")
+    if isinstance(opts, SourceOptions):
+        return opts
+    if not isinstance(opts or {}, dict):
+        raise OlmoflowError("ingest task options must be a mapping, got "
+                            f"{reprlib.repr(opts)}")
+    flat = {k: v for k, v in task.items() if k not in _TASK_KEYS}
+    return from_dict(SourceOptions, {**flat, **(opts or {})}, "options.")
 
 
 def _task_input(task: dict[str, Any], rl: ReadLog) -> Input | None:
@@ -395,9 +432,10 @@ def ingest_shard(task: dict[str, Any]) -> dict[str, Any]:
 
     ``task``: ``input`` (a file path, ``"stdlib"`` or ``"hf://..."``), ``source`` (the source's
     name), ``output`` (the first shard's path, ``.jsonl.gz``), optional ``name`` (the input's
-    stable name, the id prefix; default ``<source>/<file name>``), ``strict``, and any of
-    :data:`INGEST_OPTIONS` (at the top level or under ``options``): ``text_field``,
-    ``max_document_bytes``, ``html_extractor``, ``allow_network``, ``max_shard_bytes``.
+    stable name, the id prefix; default ``<source>/<file name>``), ``strict``, and ``options``
+    (a :class:`SourceOptions`; a task written by hand may give its keys as a mapping or at the
+    top level: ``text_field``, ``max_document_bytes``, ``html_extractor``, ``allow_network``,
+    ``max_shard_bytes``).
 
     Returns the stats ``{"input", "source", "documents_in", "documents_out", "bytes_in",
     "bytes_out", "removed", "errors", "error_counts", "outputs", "files", "input_bytes"}``:
@@ -412,21 +450,12 @@ def ingest_shard(task: dict[str, Any]) -> dict[str, Any]:
         OlmoflowError: an unknown option, an unreadable file, an unusable ``hf://`` source, or
             (``strict``) the first bad input, naming its file and line.
     """
-    from olmoflow.data.config import check_source_options
-
-    options = {k: v for k, v in task.items() if k not in _TASK_KEYS}
-    if not isinstance(task.get("options") or {}, dict):
-        raise OlmoflowError("ingest task options must be a mapping, got "
-                            f"{reprlib.repr(task['options'])}")
-    options.update(task.get("options") or {})
-    _check_options(options)
-    # The config's load checked these already; a task built by hand has had no such check.
-    check_source_options(options, "ingest task options")
-    opts = ReadOptions.from_mapping({**options, "strict": bool(task.get("strict", False))})
+    options = _task_options(task)
+    opts = options.read_options(bool(task.get("strict", False)))
     rl = ReadLog(strict=opts.strict)
     out = {"documents": 0, "bytes": 0}
     inp = _task_input(task, rl)
-    with ShardWriter(task["output"], options.get("max_shard_bytes")) as writer:
+    with ShardWriter(task["output"], options.max_shard_bytes) as writer:
         if inp is not None:
             for doc in read_input(inp, opts, rl):
                 writer.write(doc)

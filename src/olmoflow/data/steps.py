@@ -9,6 +9,7 @@ The shard jobs themselves live with their modules: ``ingest_shard`` (sources), `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from olmoflow.errors import OlmoflowError, unknown_name_error
 
 if TYPE_CHECKING:  # the engine runs these steps; they only use the object it hands them
     from olmoflow.data.engine import Engine
+    from olmoflow.data.mixer import MixConfig
+    from olmoflow.data.sources import SourceOptions
 
 #: The steps whose outputs (and so fingerprints) a step depends on.
 UPSTREAM = {
@@ -38,7 +41,7 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
     cfg = engine.cfg
     common = {"strict": cfg.strict}
     if step == "ingest":
-        srcs = [{"name": s.name, "paths": s.paths, "options": s.options,
+        srcs = [{"name": s.name, "paths": s.paths, "options": _asdict(s.options),
                  "files": _source_stamps(s.name, s.paths, s.options)} for s in cfg.sources]
         return {**common, "sources": srcs}
     if step == "tag":
@@ -48,11 +51,11 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
         return {**common, "taggers": cfg.taggers, "quality": _asdict(q),
                 "plugins": cfg.plugins, "files": _stamps(files)}
     if step == "dedup":
-        return {**common, "dedup": cfg.dedup}
+        return {**common, "dedup": _asdict(cfg.dedup)}
     if step == "decontaminate":
-        return {**common, "decontaminate": cfg.decontaminate}
+        return {**common, "decontaminate": _asdict(cfg.decontaminate)}
     if step == "mix":
-        return {**common, "mixer": cfg.mixer}
+        return {**common, "mixer": _asdict(cfg.mixer)}
     if step == "tokenize":
         t = _asdict(cfg.tokenize)
         t.pop("workers")  # any worker count gives the same bytes
@@ -63,10 +66,10 @@ def step_config(engine: Engine, step: str) -> dict[str, Any]:
 
 
 def preflight(engine: Engine, steps: list[str]) -> None:
-    """Check the config sections of ``steps`` before any step runs: tagger names (plugins
-    imported), the ``dedup``, ``decontaminate`` and ``mixer`` sections, mixer weights
-    naming configured sources. Attribute names in mixer rules are checked by the mixer itself,
-    once the attribute files exist.
+    """Check what the config sections of ``steps`` name, before any step runs: tagger names
+    (plugins imported), input files, mixer weights naming configured sources (the sections' own
+    values were checked when the config was parsed). Attribute names in mixer rules are checked
+    by the mixer itself, once the attribute files exist.
 
     Raises:
         OlmoflowError: the first problem found (the key and the closest valid name).
@@ -85,20 +88,9 @@ def preflight(engine: Engine, steps: list[str]) -> None:
             expand_paths(cfg.quality.labeled)
         if cfg.quality.model and not Path(cfg.quality.model).exists():
             raise OlmoflowError(f"quality.model: no such file or directory '{cfg.quality.model}'")
-    if "dedup" in steps:
-        from olmoflow.data.dedup import DedupConfig
-
-        DedupConfig.from_dict(cfg.dedup)
-    if "decontaminate" in steps:
-        from olmoflow.data.decontam import DecontamConfig
-
-        DecontamConfig.from_dict(cfg.decontaminate, where="decontaminate")
     if "mix" in steps:
-        from olmoflow.data.mixer import MixConfig
-
-        mix = MixConfig.from_dict(cfg.mixer, where="mixer")
         names = [s.name for s in cfg.sources]
-        for src in mix.weights:
+        for src in cfg.mixer.weights:
             if names and src not in names:
                 raise OlmoflowError(f"mixer.weights: {unknown_name_error('source', src, names)}")
     if "tokenize" in steps:
@@ -124,8 +116,6 @@ def content_hash(entries: list[Any]) -> str:
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(obj)
 
 
@@ -154,7 +144,7 @@ def _stamps(entries: list[str]) -> list[Any]:
     return out
 
 
-def _source_stamps(name: str, paths: list[str], options: dict[str, Any]) -> list[Any]:
+def _source_stamps(name: str, paths: list[str], options: SourceOptions) -> list[Any]:
     """:func:`_stamps` of the files ingest reads for one source: the same plan as its tasks, so a
     link out of a source directory (skipped unless ``follow_symlinks``) is not hashed either;
     files by their real path, which is what is read."""
@@ -168,7 +158,7 @@ def _source_stamps(name: str, paths: list[str], options: dict[str, Any]) -> list
     was, quiet.disabled = quiet.disabled, True  # the step's own planning says it once
     try:
         inputs = plan_inputs(paths, label=name,
-                             follow_symlinks=options.get("follow_symlinks") is True)
+                             follow_symlinks=options.follow_symlinks)
     except OlmoflowError:
         return [[e, None] for e in paths]  # the step itself names the problem
     finally:
@@ -382,7 +372,7 @@ def run_dedup(engine: Engine):
 def run_decontaminate(engine: Engine):
     from olmoflow.data import decontam
 
-    cfg = decontam.DecontamConfig.from_dict(engine.cfg.decontaminate, where="decontaminate")
+    cfg = engine.cfg.decontaminate
     evals = [Path(f) for f in cfg.eval_files() if Path(f).is_file()]
     return _run_global(engine, "decontaminate", decontam.run_decontam, cfg, evals)
 
@@ -399,10 +389,10 @@ def attribute_sets(engine: Engine) -> list[str]:
     return sets
 
 
-def attribute_files(engine: Engine, options: dict[str, Any]) -> list[Path]:
-    """The attribute files the mixer read (those of the sets in ``options["attributes"]``), so
-    the mix manifest, and the lineage through it, reach the tag, dedup and decontaminate steps."""
-    wanted = set(options.get("attributes") or [])
+def attribute_files(engine: Engine, options: MixConfig) -> list[Path]:
+    """The attribute files the mixer read (those of the sets in ``options.attributes``), so the
+    mix manifest, and the lineage through it, reach the tag, dedup and decontaminate steps."""
+    wanted = set(options.attributes or [])
     files = []
     for step in ("tag", "dedup", "decontaminate"):
         if Path(STEP_DIRS[step]).name in wanted and read_manifest(engine.step_dir(step)):
@@ -410,16 +400,18 @@ def attribute_files(engine: Engine, options: dict[str, Any]) -> list[Path]:
     return files
 
 
-def mixer_options(engine: Engine) -> dict[str, Any]:
+def mixer_options(engine: Engine) -> MixConfig:
     """The mixer config with what dedup and decontaminate ask for merged in: their attribute
     sets, their ``exclude`` rules (dedup: every flagged copy; decontaminate with ``action:
     drop``: contaminated documents) and ``remove_spans`` (duplicate paragraphs). ``attributes``
     defaults to every attribute set the finished steps wrote."""
     from olmoflow.data import decontam, dedup
+    from olmoflow.data.rules import parse_rule
 
-    options = dict(engine.cfg.mixer)
+    cfg = engine.cfg.mixer
     sets = attribute_sets(engine)
-    options.setdefault("attributes", sets)
+    merged = {"attributes": list(sets if cfg.attributes is None else cfg.attributes),
+              "exclude": list(cfg.exclude), "remove_spans": list(cfg.remove_spans)}
     extra = []
     if "dedup" in sets:
         extra.append(dedup.mixer_rules(engine.cfg.dedup))
@@ -427,10 +419,11 @@ def mixer_options(engine: Engine) -> dict[str, Any]:
         extra.append(decontam.mixer_rules(engine.cfg.decontaminate))
     for rules in extra:
         for key in ("attributes", "exclude", "remove_spans"):
-            have = list(options.get(key) or [])
-            have += [r for r in rules.get(key, []) if r not in have]
-            options[key] = have
-    return options
+            for r in rules.get(key, []):
+                item = parse_rule(r, f"mixer.{key}") if key == "exclude" else r
+                if item not in merged[key]:
+                    merged[key].append(item)
+    return dataclasses.replace(cfg, **merged)
 
 
 def run_mix(engine: Engine):

@@ -27,13 +27,14 @@ import json
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from olmoflow.config import from_dict
 from olmoflow.errors import OlmoflowError, closest
 from olmoflow.model.config import LORA_TARGET_ALIASES, LORA_TARGETS
 from olmoflow.model.olmo import Olmo
@@ -104,30 +105,22 @@ class LoraSettings:
         d["targets"] = list(self.targets)
         return d
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "LoRA settings") -> LoraSettings:
-        """Build from :meth:`to_dict`'s output; ``where`` names the source in errors.
 
-        Raises:
-            OlmoflowError: not a mapping, an unknown key (naming the closest), or a bad value.
-        """
-        if not isinstance(data, dict):
-            raise OlmoflowError(f"{where}: expected a mapping of LoRA settings, got "
-                                f"{type(data).__name__}")
-        names = [f.name for f in fields(cls)]
-        for key in data:
-            if key not in names:
-                hint = closest(str(key), names)
-                raise OlmoflowError(f"{where}: unknown LoRA setting '{key}'"
-                                    + (f"; did you mean '{hint}'?" if hint else
-                                       f"; valid: {', '.join(names)}"))
-        kw = dict(data)
-        if isinstance(kw.get("targets"), list):
-            kw["targets"] = tuple(kw["targets"])
-        try:
-            return cls(**kw)
-        except OlmoflowError as e:
-            raise OlmoflowError(f"{where}: {e}") from None
+def parse_lora_settings(data: Any, where: str = "LoRA settings") -> LoraSettings:
+    """:class:`LoraSettings` from :meth:`LoraSettings.to_dict`'s output, parsed by
+    :func:`olmoflow.config.from_dict` (the one config parser); ``where`` (a file) begins every
+    error message.
+
+    Raises:
+        OlmoflowError: not a mapping, an unknown key (naming the closest), or a bad value.
+    """
+    if not isinstance(data, dict):
+        raise OlmoflowError(f"{where}: expected a mapping of LoRA settings, got "
+                            f"{type(data).__name__}")
+    try:
+        return from_dict(LoraSettings, data)
+    except OlmoflowError as e:  # "config key 'r'": in a settings file, a LoRA setting
+        raise OlmoflowError(f"{where}: {str(e).replace('config key', 'LoRA setting')}") from None
 
 
 # --- applying, reporting, merging --------------------------------------------------------------
@@ -459,7 +452,7 @@ def read_lora_settings(path: str | Path) -> LoraSettings:
         raise OlmoflowError(f"{file}: cannot read the LoRA settings ({e})") from None
     if isinstance(data, dict):
         data = {k: v for k, v in data.items() if k != "format"}
-    return LoraSettings.from_dict(data, str(file))
+    return parse_lora_settings(data, str(file))
 
 
 def merge_lora_files(src: str | Path, out: str | Path, *, load_model: Callable[[], Olmo],
