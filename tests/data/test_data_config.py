@@ -5,15 +5,18 @@ still load."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import yaml
+from engine_inputs import engine_config
 from test_cli import assert_one_line_error, cli
 
 from olmoflow.config import from_dict
 from olmoflow.data.config import load_data_config
 from olmoflow.data.decontam import DecontamConfig
 from olmoflow.data.dedup import DedupConfig, MinHashConfig, run_dedup
+from olmoflow.data.engine import Engine
 from olmoflow.data.mixer import MixConfig, mix
 from olmoflow.data.rules import Rule
 from olmoflow.data.sources import SourceOptions, ingest_tasks
@@ -181,3 +184,24 @@ def test_library_callers_get_the_same_parser():
     with pytest.raises(OlmoflowError, match="did you mean 'decontaminate.evals'"):
         from_dict(DecontamConfig, {"eval": ["arc"]}, "decontaminate.")
     assert from_dict(DedupConfig, {"minhash": False}, "dedup.").minhash is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("mixer.exclud=[]", "unknown config key 'mixer.exclud'; did you mean 'mixer.exclude'?"),
+    ("mixer.exclude=['gopher__fail_any = 1']", "cannot parse rule"),
+    ("mixer.weights={webb: 2}", "unknown source 'webb'; did you mean 'web'?"),
+    ("dedup.exakt=true", "unknown config key 'dedup.exakt'; did you mean 'dedup.exact'?"),
+    ("decontaminate.evals=[arcc]", "did you mean 'arc'?"),
+    ("taggers=[pii, gopherr]", "unknown tagger 'gopherr'; did you mean 'gopher'?"),
+    ("dedup.minhash.threshold=abc", "dedup.minhash.threshold' expects float, got 'abc'"),
+    ("tokenize.dtype=uint8", "unknown tokenize.dtype 'uint8'"),
+    ("tokenize.tokenizer=/no/such/tokenizer", "no such directory '/no/such/tokenizer'"),
+    ("quality.labeled=[/no/such/labels.jsonl]", "'/no/such/labels.jsonl' matches no file"),
+])
+def test_config_mistakes_stop_the_run_before_the_first_step(tmp_path, override, message):
+    # A typo in the mixer (or dedup, decontamination, taggers) was reported only when its step
+    # came, after ingest and tagging had run: hours, on a real corpus.
+    steps = "[ingest, tag, dedup, decontaminate, mix, tokenize]"
+    with pytest.raises(OlmoflowError, match=re.escape(message)):  # at load, or before ingest
+        Engine(load_data_config(engine_config(tmp_path, steps=steps), [override])).run()
+    assert not (tmp_path / "run" / "documents").exists()

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_inputs import engine_config, jsonl
 
 from olmoflow.data.documents import write_documents
-from olmoflow.data.engine import load_data_config
+from olmoflow.data.engine import Engine, load_data_config
 from olmoflow.data.executor import run_shards
 from olmoflow.data.tokenize import (
     SPLITS,
@@ -316,3 +317,43 @@ def test_force_reruns_every_shard_of_every_step(tmp_path):
     stale = [k for k in before if after[k] <= before[k]]
     assert not stale, f"--force left these shards done: {stale}"
     assert digests(run / "tokens") == tokens  # and redoing them gives the same bytes
+
+
+# --- a rerun after a kill or a removed source -----------------------------------------------------
+
+
+def test_a_rerun_removes_temporaries_left_by_a_killed_writer(tmp_path):
+    # After kill -9 mid-step, hidden `.<shard>.<random>.tmp` files stayed in the run directory
+    # for good (a rerun wrote fresh ones beside them).
+    cfg = load_data_config(engine_config(tmp_path))
+    stale = tmp_path / "run" / "documents" / "web" / ".00000_a.jsonl.gz.k2j4x9.tmp"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"\x1f\x8b half a shard")
+    Engine(cfg).run()
+    assert not stale.exists()
+    assert not list((tmp_path / "run").rglob("*.tmp"))
+
+
+def test_removing_a_source_gives_the_bytes_of_a_fresh_run(tmp_path):
+    # Dropping a source from the config and rerunning left its shards in mixed/ and tokens/ (a
+    # glob over tokens/ still trained on them), and kept the other shards' token arrays from
+    # the BPE trained before (their done-markers named the tokenizer by path only), while
+    # tokenizer/ and meta.json described the retrained one.
+    src = tmp_path / "in"
+    src.mkdir()
+    words = {"a": "river stone water bank fish reed mud", "b": "star orbit comet moon dust sky"}
+    for name, vocab in words.items():
+        rows = [{"text": " ".join(vocab.split()[i:] + vocab.split()[:i]) * 3} for i in range(7)]
+        jsonl(src / f"{name}.jsonl", rows)
+    body = ("executor: serial\nsteps: [ingest, mix, tokenize]\ntokenize: {vocab_size: 300, "
+            "min_frequency: 1}\nsources:\n  - {name: a, paths: [%s]}\n" % (src / "a.jsonl"))
+    both = body + "  - {name: b, paths: [%s]}\n" % (src / "b.jsonl")
+    (tmp_path / "both.yaml").write_text(both)
+    (tmp_path / "one.yaml").write_text(body)
+    run, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    Engine(load_data_config(tmp_path / "both.yaml", [f"output={run}"])).run()
+    assert (tmp_path / "run" / "tokens" / "train" / "b").is_dir()
+    Engine(load_data_config(tmp_path / "one.yaml", [f"output={run}"])).run()
+    Engine(load_data_config(tmp_path / "one.yaml", [f"output={fresh}"])).run()
+    for d in ("documents", "mixed", "tokens", "tokenizer"):
+        assert digests(tmp_path / "run" / d) == digests(tmp_path / "fresh" / d), d

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from checks import one_line_error, tree
+from engine_inputs import engine_config
 
 from olmoflow.artifacts import LOCK_FILE
 from olmoflow.cli import main
@@ -109,3 +110,16 @@ def test_a_second_data_run_on_one_output_gets_one_line_naming_the_holder(tmp_pat
         proc.kill()
         proc.wait()
     assert data_run(cfg, "--force") == 0
+
+def test_output_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    # `olmoflow data run CFG --output FILE` ended in a FileExistsError traceback.
+    from olmoflow.cli import main
+
+    target = tmp_path / "not_a_dir"
+    target.write_text("precious")
+    for out in (target, target / "sub"):
+        assert main(["data", "run", str(engine_config(tmp_path)), "--output", str(out),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("olmoflow: error: ") and "\n" not in err and str(target) in err
+    assert target.read_text() == "precious"

@@ -6,7 +6,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -136,3 +140,35 @@ def test_ray_matches_local(tmp_path, ray_local):
     remote = run_shards(reverse_job, tasks, executor="ray", done_dir=tmp_path / "done")
     assert strip(local) == strip(remote)
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
+
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from olmoflow.data.executor import _pool
+    pool = _pool(2)
+    futures = [pool.submit(time.sleep, 600) for _ in range(2)]
+    time.sleep(0.5)
+    print(" ".join(str(p) for p in pool._processes), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process checks use /proc")
+def test_killing_the_driver_ends_its_pool_workers(tmp_path):
+    # kill -9 of `olmoflow data run` (or the OOM killer) left the forkserver and every pool worker
+    # running for good, each holding its memory, blocked on a queue nobody would write to again.
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ,
+                                 "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(Path(f"/proc/{p}").exists() for p in workers)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.1)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists()]
+    for p in alive:  # do not leave them behind if the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not alive

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_inputs import jsonl
 
 pytest.importorskip("fasttext", reason="fastText not installed (pip install 'olmoflow[data]')")
 
@@ -84,3 +85,13 @@ def test_bad_labeled_lines_are_counted_or_raise(tmp_path):
         get_tagger("quality", model=str(tmp_path / "missing"))
     with pytest.raises(OlmoflowError, match="needs option 'model'"):
         get_tagger("quality")
+
+def test_train_quality_takes_options_after_out(tmp_path, capsys):
+    # docs/data.md: `olmoflow data train-quality FILES --out DIR epoch=10` failed with
+    # "unrecognized arguments: epoch=10". An unknown option shows the options reach training.
+    from olmoflow.cli import main
+
+    f = jsonl(tmp_path / "l.jsonl", [{"text": "x", "label": 1}])
+    assert main(["data", "train-quality", str(f), "--out", str(tmp_path / "q"), "epochz=3"]) == 2
+    assert "unknown quality training option 'epochz'; did you mean 'epoch'?" in \
+        capsys.readouterr().err

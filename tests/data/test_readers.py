@@ -483,3 +483,16 @@ def test_open_binary_reads_multi_frame_zstd(tmp_path):
         assert f.read() == b'{"text": "a"}\n{"text": "b"}\n'
     docs, rl = read(path)
     assert [d["text"] for d in docs] == ["a", "b"] and rl.errors == {}
+
+def test_a_file_that_is_not_warc_is_counted_not_raised(tmp_path):
+    # FastWARC raises OSError("Invalid WARC header") on a non-WARC file: ingest crashed with a
+    # traceback instead of counting a damaged file.
+    bad = tmp_path / "junk.warc"
+    bad.write_bytes(b"this is not a WARC file\n" * 10)
+    rl = ReadLog()
+    docs = list(read_input(Input("warc", "x/junk.warc", "x", path=str(bad)), ReadOptions(), rl))
+    assert docs == [] and rl.error_counts() == {"damaged_file": 1}
+    assert rl.error_examples()[0].startswith(f"{bad}:1: damaged WARC")
+    with pytest.raises(OlmoflowError, match="junk.warc:1: damaged WARC"):
+        list(read_input(Input("warc", "x/junk.warc", "x", path=str(bad)),
+                        ReadOptions(strict=True), ReadLog(strict=True)))

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_inputs import engine_config, jsonl
 
 from olmoflow.artifacts import atomic_write_json
 from olmoflow.cli import main
@@ -115,3 +116,54 @@ def test_report_of_an_empty_directory_is_a_one_line_error(tmp_path, capsys):
     assert main(["data", "report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("olmoflow: error: no finished data step") and "\n" not in err
+
+
+# --- bad input counted, decisions per line, a deleted shard ---------------------------------------
+
+
+def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
+    # `olmoflow data run` on a file with 30 non-JSON lines said "5 bad input" (the number of
+    # examples kept per file), and the report's "bad input" column said 5.
+    from olmoflow.cli import main
+
+    assert main(["data", "run", str(engine_config(tmp_path)), "--no-progress"]) == 0
+    assert "30 bad input" in capsys.readouterr().out
+    counts = json.loads((tmp_path / "run" / "documents" / "manifest.json").read_text())["counts"]
+    assert counts["errors"] == 30 and counts["sources"]["web"]["errors"] == 30
+    assert counts["removed"]["not_json"]["documents"] == 30
+    # The report named no bad file at all: a damaged file removes no counted document, so it was
+    # visible only as a number. Now the examples are listed with file and line.
+    from olmoflow.data.report import report
+
+    text, _ = report(tmp_path / "run", histograms=False)
+    assert "ingest: 30 in all" in text
+    assert f"{tmp_path / 'in' / 'a.jsonl'}:4: malformed JSONL: not JSON" in text
+
+
+def test_histograms_follow_the_mixer_decision_per_line_not_per_id(tmp_path):
+    # Two copies of one document with the same id (a shard ingested twice): dedup drops the
+    # second, but the report's histograms looked ids up in the output and drew both as kept.
+    from olmoflow.data.report import document_scores
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for name in ("a", "b"):
+        jsonl(src / f"{name}.jsonl", [{"id": "same", "text": "one text, twice over."}])
+    cfg = load_data_config(engine_config(tmp_path, paths=f"['{src}/*.jsonl']",
+                                  steps="[ingest, dedup, mix]"))
+    Engine(cfg).run()
+    lengths = document_scores(tmp_path / "run")["length"]
+    assert (len(lengths["kept"]), len(lengths["removed"])) == (1, 1)
+
+
+def test_report_on_a_run_with_a_deleted_shard_is_a_one_line_error(tmp_path, capsys):
+    # `olmoflow data report DIR` after a mixed shard was deleted ended in a FileNotFoundError
+    # traceback from the histogram code.
+    from olmoflow.cli import main
+
+    cfg = load_data_config(engine_config(tmp_path, steps="[ingest, mix]"))
+    Engine(cfg).run()
+    next((tmp_path / "run" / "mixed").rglob("*.jsonl.gz")).unlink()
+    assert main(["data", "report", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("olmoflow: error: cannot read ") and "\n" not in err

@@ -5,10 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from engine_inputs import engine_config
 
 from olmoflow.data.documents import write_documents
 from olmoflow.data.taggers import (
@@ -280,3 +283,27 @@ def test_code_taggers_find_licenses_and_secrets():
     assert found["code_secrets__api_key"] == ["Zx81kQ_pL0vR7tYw2mN5cB9dF3gH6jK4"]  # not "aaaa..."
     assert found["code_secrets__private_key"][0].startswith("-----BEGIN RSA PRIVATE KEY-----")
     assert get_tagger("code_secrets").tag({"text": ENGLISH}) == {}
+
+def test_editing_a_plugin_tagger_retags_every_shard(tmp_path):
+    # The tag step reran after a plugin file changed (its fingerprint holds the file's stamp),
+    # but every shard was skipped by its done-marker, which named the plugin by path only: the
+    # attributes kept the old code's scores.
+    plugin = tmp_path / "mine.py"
+    code = ("from olmoflow.data.taggers import Tagger, register_tagger\n\n"
+            "@register_tagger('mine')\nclass Mine(Tagger):\n    def tag(self, doc):\n"
+            "        return {self.attr('score'): [[0, len(doc['text']), %s]]}\n")
+    cfg = engine_config(tmp_path, steps="[ingest, tag]",
+                 extra=f"plugins: [{plugin}]\n").read_text().replace("[pii]", "[mine]")
+    (tmp_path / "data.yaml").write_text(cfg)
+    cli = [sys.executable, "-c", "import sys; from olmoflow.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "data", "run", str(tmp_path / "data.yaml"),
+           "--no-progress"]
+    scores = []
+    for value in (1.0, 2.0):
+        plugin.write_text(code % value)
+        subprocess.run(cli, check=True, capture_output=True)
+        from olmoflow.data.taggers import read_attributes
+
+        rows = read_attributes(next((tmp_path / "run" / "attributes" / "tags").rglob("*.gz")))
+        scores.append({r["attributes"]["mine__score"][0][2] for r in rows})
+    assert scores == [{1.0}, {2.0}]
