@@ -4,14 +4,19 @@ still load."""
 
 from __future__ import annotations
 
+import json
+import math
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import yaml
+from checks import one_line_error
 from engine_inputs import engine_config
 from test_cli import assert_one_line_error, cli
 
+from olmoflow.cli import main
 from olmoflow.config import from_dict
 from olmoflow.data.config import load_data_config
 from olmoflow.data.decontam import DecontamConfig
@@ -205,3 +210,67 @@ def test_config_mistakes_stop_the_run_before_the_first_step(tmp_path, override, 
     with pytest.raises(OlmoflowError, match=re.escape(message)):  # at load, or before ingest
         Engine(load_data_config(engine_config(tmp_path, steps=steps), [override])).run()
     assert not (tmp_path / "run" / "documents").exists()
+
+
+# --- tagger and quality-training option values, at load -------------------------------------------
+
+
+def _doc(text: str) -> str:
+    return json.dumps({"text": text}) + "\n"
+
+
+@pytest.fixture
+def source_dir(tmp_path) -> Path:
+    """``data/`` with one JSONL file: the source of the configs below."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(_doc("inside a " * 10))
+    return tmp_path
+
+
+def _source_config(tmp: Path, extra: str = "", follow: bool = False) -> Path:
+    opts = ", options: {follow_symlinks: true}" if follow else ""
+    cfg = tmp / "data.yaml"
+    cfg.write_text(f"output: {tmp / 'engine'}\nexecutor: serial\nsteps: [ingest]\n"
+                   f"sources: [{{name: web, paths: ['{tmp / 'data'}']{opts}}}]\n{extra}")
+    return cfg
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    ("taggers: [{gopher: {min_doc_words: many}}]", "taggers[0].gopher.min_doc_words"),
+    ("taggers: [{gopher: {quality: 1}}]", "expects true or false"),
+    ("taggers: [c4, {code_secrets: {min_entropy: .nan}}]", "taggers[1].code_secrets.min_entropy"),
+    ("taggers: [{langid: {languages: en}}]", "taggers[0].langid.languages"),
+    ("taggers: [{langid: {languages: [1]}}]", "taggers[0].langid.languages"),
+    ("taggers: [{gopher: {top_n_grams: [[2, x]]}}]", "taggers[0].gopher.top_n_grams"),
+    ("taggers: [{gopher: {min_doc_word: 5}}]", "did you mean 'min_doc_words'"),
+    ("taggers: [{quality: {model: 5}}]", "taggers[0].quality.model"),
+    ("taggers: [{gopher: [1]}]", "options of tagger 'gopher' must be a mapping"),
+    ("quality: {options: {lr: -1}}", "quality.options.lr"),
+    ("quality: {options: {epoch: 0}}", "quality.options.epoch"),
+    ("quality: {options: {dim: 1.5}}", "quality.options.dim"),
+    ("quality: {options: {heldout_fraction: .nan}}", "heldout_fraction must be in (0, 1)"),
+    ("quality: {options: {epochz: 3}}", "did you mean 'epoch'"),
+    ("quality: {options: {text_field: 3}}", "quality.options.text_field"),
+])
+def test_bad_option_values_are_refused_when_the_config_loads(source_dir, extra, fragment):
+    with pytest.raises(OlmoflowError) as e:
+        load_data_config(_source_config(source_dir, extra))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_good_option_values_load(source_dir):
+    cfg = load_data_config(_source_config(source_dir,
+                                          "taggers: [{gopher: {min_doc_words: 10, "
+                                          "top_n_grams: [[2, 0.3]], max_symbol_word_ratio: 1}},"
+                                          " {langid: {languages: [en, de]}}, my_plugin_tagger]\n"
+                                          "quality: {options: {lr: 0.5, epoch: 3}}"))
+    assert cfg.taggers[0]["gopher"]["min_doc_words"] == 10
+    assert math.isclose(cfg.quality.options["lr"], 0.5)
+
+
+def test_a_bad_tagger_option_stops_the_run_before_ingest(source_dir, capsys):
+    cfg = _source_config(source_dir, "taggers: [{pii: {nope: 1}}]")
+    cfg.write_text(cfg.read_text().replace("steps: [ingest]", "steps: [ingest, tag]"))
+    assert main(["data", "run", str(cfg), "--no-progress"]) == 2
+    assert "option of tagger 'pii'" in one_line_error(capsys)
+    assert not (source_dir / "engine").exists()  # refused before anything was made

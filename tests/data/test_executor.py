@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -172,3 +174,62 @@ def test_killing_the_driver_ends_its_pool_workers(tmp_path):
     for p in alive:  # do not leave them behind if the test fails
         os.kill(p, signal.SIGKILL)
     assert not alive
+
+
+# --- Ray: a local instance listens on the loopback address only -----------------------------------
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """A stand-in ``ray`` module recording what ``ray.init`` was called with (and whether Ray
+    would keep a loopback node address at that moment): no cluster starts."""
+    constants = types.ModuleType("ray._private.ray_constants")
+    constants.ENABLE_RAY_CLUSTER = True
+    worker = types.SimpleNamespace(_global_node=None)
+    private = types.ModuleType("ray._private")
+    private.ray_constants, private.worker = constants, worker
+    ray = types.ModuleType("ray")
+    ray._private = private
+    ray.calls = []
+
+    def init(**kwargs):
+        ray.calls.append({**kwargs, "cluster_mode": constants.ENABLE_RAY_CLUSTER})
+        worker._global_node = types.SimpleNamespace(
+            node_ip_address=kwargs.get("_node_ip_address", "192.0.2.2"))
+
+    ray.init = init
+    ray.is_initialized = lambda: bool(ray.calls)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray._private", private)
+    monkeypatch.setitem(sys.modules, "ray._private.ray_constants", constants)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return ray
+
+
+def test_local_ray_binds_to_loopback_without_dashboard(fake_ray, caplog):
+    from olmoflow.data.executor import ray_init
+
+    with caplog.at_level(logging.WARNING):
+        ray_init(workers=3)
+    (call,) = fake_ray.calls
+    assert call["_node_ip_address"] == "127.0.0.1"
+    assert call["include_dashboard"] is False and call["num_cpus"] == 3
+    # Ray resolves 127.0.0.1 to the routable address unless its single-machine mode is on.
+    assert call["cluster_mode"] is False
+    assert fake_ray._private.ray_constants.ENABLE_RAY_CLUSTER is True  # restored afterwards
+    assert "listens on" not in caplog.text
+    ray_init(workers=3)  # connected: a no-op
+    assert len(fake_ray.calls) == 1
+
+
+@pytest.mark.parametrize("where", ["argument", "environment"])
+def test_a_given_ray_address_is_used_as_is(fake_ray, monkeypatch, where):
+    from olmoflow.data.executor import ray_init
+
+    if where == "environment":
+        monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    ray_init(workers=2, address="ray://head:10001" if where == "argument" else None)
+    (call,) = fake_ray.calls
+    assert call["address"] == "ray://head:10001"
+    assert "_node_ip_address" not in call and call["cluster_mode"] is True
+    assert call["include_dashboard"] is False

@@ -307,3 +307,36 @@ def test_editing_a_plugin_tagger_retags_every_shard(tmp_path):
         rows = read_attributes(next((tmp_path / "run" / "attributes" / "tags").rglob("*.gz")))
         scores.append({r["attributes"]["mine__score"][0][2] for r in rows})
     assert scores == [{1.0}, {2.0}]
+
+
+# --- data-engine plugins: a module name never resolves from the current directory -----------------
+
+
+PLUGIN = """
+import pathlib
+pathlib.Path("RAN").write_text(__name__)
+"""
+
+
+@pytest.fixture
+def m_cwd(tmp_path, monkeypatch):
+    """The current directory as ``python -m olmoflow`` sees it (first on ``sys.path``)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_a_plugin_module_in_the_current_directory_is_refused(m_cwd):
+    from olmoflow.data.steps import import_plugins
+
+    (m_cwd / "my_taggers.py").write_text(PLUGIN)
+    with pytest.raises(OlmoflowError, match=r"plugins: cannot import 'my_taggers': .*current "
+                                            r"directory.*plugins: \[\./my_taggers\.py\]"):
+        import_plugins(["my_taggers"])
+    assert not (m_cwd / "RAN").exists()
+    import_plugins([str(m_cwd / "my_taggers.py")])  # named as a file: the user's choice
+    assert (m_cwd / "RAN").exists()

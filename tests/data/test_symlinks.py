@@ -1,112 +1,20 @@
-"""Input that should not be trusted blindly: symbolic links out of a data directory, plugin
-modules found only because they lie in the current directory, and a local Ray instance that
-would listen on every network interface."""
+"""Symbolic links out of a data directory: collect and the data engine's ingest skip them (with a
+warning naming them and how to read them) unless asked to follow; what they do read is recorded,
+and hashed into the ingest fingerprint, under its real path, once; nothing behind a skipped link
+is hashed."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import logging
-import sys
-import types
+from pathlib import Path
 
 import pytest
 
 from olmoflow.cli import main
+from olmoflow.data.engine import Engine, load_data_config
 from olmoflow.errors import OlmoflowError
-
-# ---- Ray: a local instance listens on the loopback address only -------------------------------
-
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    """A stand-in ``ray`` module recording what ``ray.init`` was called with (and whether Ray
-    would keep a loopback node address at that moment): no cluster starts."""
-    constants = types.ModuleType("ray._private.ray_constants")
-    constants.ENABLE_RAY_CLUSTER = True
-    worker = types.SimpleNamespace(_global_node=None)
-    private = types.ModuleType("ray._private")
-    private.ray_constants, private.worker = constants, worker
-    ray = types.ModuleType("ray")
-    ray._private = private
-    ray.calls = []
-
-    def init(**kwargs):
-        ray.calls.append({**kwargs, "cluster_mode": constants.ENABLE_RAY_CLUSTER})
-        worker._global_node = types.SimpleNamespace(
-            node_ip_address=kwargs.get("_node_ip_address", "192.0.2.2"))
-
-    ray.init = init
-    ray.is_initialized = lambda: bool(ray.calls)
-    monkeypatch.setitem(sys.modules, "ray", ray)
-    monkeypatch.setitem(sys.modules, "ray._private", private)
-    monkeypatch.setitem(sys.modules, "ray._private.ray_constants", constants)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return ray
-
-
-def test_local_ray_binds_to_loopback_without_dashboard(fake_ray, caplog):
-    from olmoflow.data.executor import ray_init
-
-    with caplog.at_level(logging.WARNING):
-        ray_init(workers=3)
-    (call,) = fake_ray.calls
-    assert call["_node_ip_address"] == "127.0.0.1"
-    assert call["include_dashboard"] is False and call["num_cpus"] == 3
-    # Ray resolves 127.0.0.1 to the routable address unless its single-machine mode is on.
-    assert call["cluster_mode"] is False
-    assert fake_ray._private.ray_constants.ENABLE_RAY_CLUSTER is True  # restored afterwards
-    assert "listens on" not in caplog.text
-    ray_init(workers=3)  # connected: a no-op
-    assert len(fake_ray.calls) == 1
-
-
-@pytest.mark.parametrize("where", ["argument", "environment"])
-def test_a_given_ray_address_is_used_as_is(fake_ray, monkeypatch, where):
-    from olmoflow.data.executor import ray_init
-
-    if where == "environment":
-        monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    ray_init(workers=2, address="ray://head:10001" if where == "argument" else None)
-    (call,) = fake_ray.calls
-    assert call["address"] == "ray://head:10001"
-    assert "_node_ip_address" not in call and call["cluster_mode"] is True
-    assert call["include_dashboard"] is False
-
-
-# ---- data-engine plugins: a module name never resolves from the current directory -------------
-
-PLUGIN = """
-import pathlib
-pathlib.Path("RAN").write_text(__name__)
-"""
-
-
-@pytest.fixture
-def m_cwd(tmp_path, monkeypatch):
-    """The current directory as ``python -m olmoflow`` sees it (first on ``sys.path``)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        del sys.modules[name]
-
-
-def test_a_plugin_module_in_the_current_directory_is_refused(m_cwd):
-    from olmoflow.data.steps import import_plugins
-
-    (m_cwd / "my_taggers.py").write_text(PLUGIN)
-    with pytest.raises(OlmoflowError, match=r"plugins: cannot import 'my_taggers': .*current "
-                                            r"directory.*plugins: \[\./my_taggers\.py\]"):
-        import_plugins(["my_taggers"])
-    assert not (m_cwd / "RAN").exists()
-    import_plugins([str(m_cwd / "my_taggers.py")])  # named as a file: the user's choice
-    assert (m_cwd / "RAN").exists()
-
-
-# ---- symbolic links out of a data directory ----------------------------------------------------
 
 
 def _doc(text):
@@ -208,7 +116,8 @@ def test_ingest_skips_links_out_of_a_source_directory(linked, caplog):
     followed = ingest_tasks("web", [str(linked / "data")], linked / "out",
                             options={"follow_symlinks": True})
     assert len(followed) == 3 and all("follow_symlinks" not in t for t in followed)
-    with pytest.raises(OlmoflowError, match="config key 'options.follow_symlinks' expects true/false"):
+    with pytest.raises(OlmoflowError,
+                       match="config key 'options.follow_symlinks' expects true/false"):
         ingest_tasks("web", [str(linked / "data")], linked / "out",
                      options={"follow_symlinks": "yes"})
 
@@ -227,3 +136,66 @@ def test_data_ingest_front_door(linked, capsys, caplog, follow):
     assert any("inside a" in t for t in texts)
     assert any("SECRET" in t for t in texts) is follow
     assert ("symbolic link" in caplog.text) is not follow
+
+
+# --- the ingest fingerprint and manifest: real paths, once ----------------------------------------
+
+
+@pytest.fixture
+def linked_files(tmp_path) -> Path:
+    """``data/`` with a file, a link inside it and a link to a file outside it (no link to a
+    directory)."""
+    data, secret = tmp_path / "data", tmp_path / "secret"
+    (data / "sub").mkdir(parents=True)
+    secret.mkdir()
+    (data / "a.jsonl").write_text(_doc("inside a " * 10))
+    (data / "sub" / "b.jsonl").write_text(_doc("inside b " * 10))
+    (data / "inlink.jsonl").symlink_to(data / "sub" / "b.jsonl")
+    (secret / "s.jsonl").write_text(_doc("SECRET " * 10))
+    (data / "out.jsonl").symlink_to(secret / "s.jsonl")
+    return tmp_path
+
+
+def _config(tmp: Path, extra: str = "", follow: bool = False) -> Path:
+    opts = ", options: {follow_symlinks: true}" if follow else ""
+    cfg = tmp / "data.yaml"
+    cfg.write_text(f"output: {tmp / 'engine'}\nexecutor: serial\nsteps: [ingest]\n"
+                   f"sources: [{{name: web, paths: ['{tmp / 'data'}']{opts}}}]\n{extra}")
+    return cfg
+
+
+def _fingerprint(cfg: Path) -> str:
+    return Engine(load_data_config(cfg)).fingerprint("ingest")
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_the_ingest_fingerprint_hashes_only_what_ingest_reads(linked_files, follow):
+    cfg = _config(linked_files, follow=follow)
+    before = _fingerprint(cfg)
+    (linked_files / "secret" / "s.jsonl").write_text(_doc("CHANGED " * 10))  # behind the link out
+    assert (_fingerprint(cfg) != before) is follow
+    before = _fingerprint(cfg)
+    (linked_files / "data" / "a.jsonl").write_text(_doc("edited a " * 10))
+    assert _fingerprint(cfg) != before  # a file ingest does read still counts
+
+
+def test_the_ingest_fingerprint_names_real_paths_once(linked_files):
+    from olmoflow.data.steps import step_config
+
+    engine = Engine(load_data_config(_config(linked_files)))
+    files = step_config(engine, "ingest")["sources"][0]["files"]
+    paths = [f[0] for f in files]
+    assert sorted(paths) == sorted({str((linked_files / "data" / p).resolve())
+                                    for p in ("a.jsonl", "sub/b.jsonl")})
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_ingest_records_the_real_paths_it_read(linked_files, capsys, follow):
+    rc = main(["data", "ingest", str(_config(linked_files, follow=follow)), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    manifest = json.loads((linked_files / "engine" / "documents" / "manifest.json").read_text())
+    paths = [i["path"] for i in manifest["inputs"]]
+    assert len(paths) == len(set(paths))  # inlink.jsonl and sub/b.jsonl are one file
+    assert not any(p.endswith(("inlink.jsonl", "out.jsonl")) for p in paths)  # no link names
+    assert (str((linked_files / "secret" / "s.jsonl").resolve()) in paths) is follow
+    assert str((linked_files / "data" / "sub" / "b.jsonl").resolve()) in paths
