@@ -22,7 +22,7 @@ Tool verbs take no run config:
     olmoflow diagnose CHECKPOINT [--reinit OUT]    check weights for NaN/Inf, outliers, dead layers
     olmoflow data-order RUN --step N               the documents of step N's training batch
     olmoflow reproduce RUN --from CKPT --steps K   replay K steps and compare with the log exactly
-    olmoflow verify DIR                            re-hash a release back to its raw sources
+    olmoflow verify DIR [--digest SHA]             re-hash a release back to its raw sources
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -176,6 +176,9 @@ def _tool_parsers(sub) -> None:
                             "manifests to the raw sources; exit 1 on a changed, missing or added "
                             "file")
     verify.add_argument("release", metavar="DIR", help="a release directory (runs/NAME/release)")
+    verify.add_argument("--digest", metavar="SHA",
+                        help="the release digest published with the model (the sha256 of "
+                        "files.json its card states): the release must be the one it names")
     verify.set_defaults(tool=_verify)
 
     from olmoflow.data.commands import add_data_parser
@@ -232,7 +235,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from olmoflow.release.verify import describe, verify_release
 
-    report = verify_release(args.release)
+    report = verify_release(args.release, digest=args.digest)
     print(describe(report))
     return 0 if report.ok else 1
 

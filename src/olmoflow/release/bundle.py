@@ -8,7 +8,8 @@ Layout (DESIGN.md, "Formats"): ``config.json``, ``model.safetensors``, ``generat
 (:mod:`olmoflow.release.checkpoints`), ``data_manifest.json`` (the manifests of the data back to
 the raw sources), ``config.yaml``, the environment (``environment.json``, ``environment.txt``,
 ``requirements.lock``, ``Dockerfile``: :mod:`olmoflow.release.environment`), a ``README.md``
-model card, and last ``files.json``, the sha256 of every other file (``olmoflow verify``).
+model card, and last ``files.json``, the sha256 of every other file (``olmoflow verify``), whose
+own sha256 is the release digest the card states (:mod:`olmoflow.release.index`).
 
 The bundle takes its own config section and the files it copies; which run directory and stages
 they come from is the pipeline's business (``olmoflow.pipeline.stages.release``).
@@ -105,14 +106,15 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
             whose kept checkpoints the bundle carries (:mod:`olmoflow.release.checkpoints`), in
             flow order; default: ``training_stage`` alone with ``tokenizer``.
     Returns:
-        The stage result: the files read, the files written, ``files`` and ``checkpoint`` counts.
+        The stage result: the files read, the files written, ``files`` and ``checkpoint`` counts
+        and the release ``digest`` (the sha256 of ``files.json``).
     Raises:
         OlmoflowError: the training log or the evaluation report is missing or unreadable.
     """
     from olmoflow.model.hf import save_hf_dir
     from olmoflow.release.checkpoints import checkpoints_table, release_checkpoints
     from olmoflow.release.environment import dockerfile, environment_record, requirements_lock
-    from olmoflow.release.verify import write_file_index
+    from olmoflow.release.index import FILE_INDEX, write_file_index
     from olmoflow.tokenizer import copy_tokenizer_files
 
     log = runs.training_log(training_stage)
@@ -173,7 +175,9 @@ def build_release(cfg: ReleaseConfig, model, tokenizer, out: Path, *, runs: RunD
                                 "checkpoints.csv", "environment.txt", "environment.json",
                                 "requirements.lock", "Dockerfile", "config.yaml", "README.md")]
     files += [out / "eval" / src.name for src in copied]
-    files.append(write_file_index(out, files))  # last: the hashes of everything above
+    digest = write_file_index(out, files)  # last: the hashes of everything above
+    files.append(out / FILE_INDEX)
     read = [f for e in kept for f in data_files(e.source)]
     return StageResult(inputs=[log, eval_report, *copied, *post_logs, *read], outputs=files,
-                       counts={"files": len(files), "checkpoint": checkpoint.name})
+                       counts={"files": len(files), "checkpoint": checkpoint.name,
+                               "digest": digest})

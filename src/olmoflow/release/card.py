@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from olmoflow.release.config import ReleaseConfig
+from olmoflow.release.index import PLACEHOLDER, digest_line
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -37,7 +38,10 @@ def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[
                checkpoints: list[Any] | None = None, weights_bytes: int | None = None,
                environment: dict[str, Any] | None = None) -> str:
     """The model card's Markdown: front matter (license, tags), the model's shape, its training
-    data, its held-out evaluation, its downstream scores (with the heatmap) and how to load it.
+    data, its held-out evaluation, its downstream scores (with the heatmap), how to load it and
+    how to verify it. The release digest is written as
+    :data:`~olmoflow.release.index.PLACEHOLDER`, which
+    :func:`~olmoflow.release.index.write_file_index` replaces once ``files.json`` exists.
 
     Args:
         model: the released :class:`olmoflow.model.olmo.Olmo`.
@@ -115,9 +119,13 @@ The directory also loads in `transformers` (`AutoModelForCausalLM`, `AutoTokeniz
 
 ## Verify
 
-`olmoflow verify {release_dir}` re-hashes every file against `files.json` (written last) and
-follows `data_manifest.json` back to the raw sources that still exist; a changed, missing or
-added file is named and the exit status is 1.
+{digest_line()}
+
+`olmoflow verify {release_dir} --digest {PLACEHOLDER}` re-hashes every file against `files.json`
+(written last), checks that every record of a file's hash in the release agrees with it, and
+follows `data_manifest.json` back to the raw sources that still exist; a changed, missing, added
+or linked file is named and the exit status is 1. The digest names every file of the release:
+compare it with the one published with the model.
 """
 
 

@@ -133,5 +133,6 @@ def run_release(cfg: RunConfig, progress: bool) -> StageResult:
     return result
 
 
-RELEASE = Stage("release", run_release, ("release",), (*MODEL_STAGES, "evaluate"), ("files",),
+RELEASE = Stage("release", run_release, ("release",), (*MODEL_STAGES, "evaluate"),
+                ("files", "digest"),
                 help="bundle the release: weights, logs, eval, data manifest, model card")
