@@ -263,3 +263,56 @@ def native_matches_lm_eval(model_dir: Path, ref: dict, name: str, n: int, tmp_pa
         assert got == pytest.approx([lls[r.context, r.continuation] for r in reqs], abs=ABS, rel=0)
     (res,) = run_tasks(lm, [task])
     assert res.metrics["acc_raw"] == ref["results"][name]["acc,none"]
+
+
+BOUNDARY_TEXTS = ["The year was 1999 and the party was over. In 1990 we said:\n\nYes. She said:\n\nNo.",
+                  "He said:\n\nMaybe. The year was 1995, then 1999 came. Years: 19, 199, 1999."]
+
+
+def save_trained(out: Path, texts: list[str], steps: int = 40) -> Path:
+    """:func:`save_tiny`'s model after ``steps`` Adam steps of next-token loss on ``texts`` (so
+    the context it sees matters the way it does for a real model), saved again in place."""
+    from olmoflow.tokenizer import BPETokenizer
+
+    save_tiny(out, texts * 20, seq=128)
+    tok, model = BPETokenizer.load(out), Olmo.from_pretrained(out).train()
+    ids = torch.tensor([sum((tok.encode(t, add_eos=True) for t in texts), [])[:128]])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(out, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return out
+
+
+def test_boundary_merge_scores_as_the_hf_backend(tmp_path):
+    """A BPE merge across the context/continuation boundary ('19' + '99' -> '199' '9', ':' +
+    '\\n\\nYes.' -> ':\\n\\n' 'Yes' '.'): the context is encoded alone, as lm-eval 0.4's
+    ``_encode_pair`` does, so the tokens and the log-likelihoods equal its ``hf`` backend's."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    d = save_trained(tmp_path / "model", BOUNDARY_TEXTS)
+    pairs = [("The year was 19", "99"), ("She said:\n\n", "Yes."), ("The year was", " 1999")]
+    ours = adapter.OlmoflowLMEval(pretrained=str(d), max_length=128, device="cpu", batch_size=2)
+    ref = HFLM(pretrained=str(d), max_length=128, dtype="float32", device="cpu", batch_size=1)
+    tok = ours.scorer.tokenizer
+    for context, continuation in pairs[:2]:  # the merge is there, so the old split differed
+        c = context.rstrip()
+        whole = tok.encode(c + context[len(c):] + continuation)
+        assert whole[:len(tok.encode(c))] != tok.encode(c), (context, continuation)
+    for context, continuation in pairs:
+        assert ours.scorer.encode_pair(context, continuation) == \
+            tuple(ref._encode_pair(context, continuation))
+
+    def instances():
+        return [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i)
+                for i, p in enumerate(pairs)]
+
+    got = ours.loglikelihood(instances(), disable_tqdm=True)
+    want = ref.loglikelihood(instances(), disable_tqdm=True)
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=ABS, rel=0)
+    assert [g[1] for g in got] == [w[1] for w in want]

@@ -1,12 +1,12 @@
 """:class:`OlmoflowLM`: answers evaluation requests with an olmoflow (or transformers) causal LM.
 
-Tokenization follows lm-eval (``TemplateLM._encode_pair``) and OLMES: trailing whitespace of the
-context moves to the continuation, the context and the whole ``context + continuation`` are
-encoded, and the continuation's tokens are those of the whole after the context's length (so a
-leading space that merges into the first continuation token is scored with it). When the
-context's own tokens are not a prefix of the whole's (a merge across the boundary), the context
-is still ``whole[:len(context tokens)]``, as in lm-eval. An empty context is replaced by the EOS
-token, as lm-eval does when there is no BOS.
+Tokenization follows lm-eval 0.4 (``TemplateLM._encode_pair``) and OLMES exactly: trailing
+whitespace of the context moves to the continuation; the context is encoded alone and those are
+the context tokens the model sees; the continuation's tokens are those of the whole
+``context + continuation`` encoding after the context's length. When a merge crosses the boundary
+(context ``"The year was 19"``, continuation ``"99"``: the whole encodes ``... "199" "9"``), the
+model sees ``... "19"`` and scores ``"9"``, never a context token holding part of the answer. An
+empty context is replaced by the EOS token, as lm-eval does when there is no BOS.
 
 Speed, with the results of a plain per-request forward (within float tolerance):
 
@@ -102,7 +102,7 @@ class OlmoflowLM:
             context, continuation = context[:-n_space], context[-n_space:] + continuation
         whole = self.tokenizer.encode(context + continuation)
         ctx = self.tokenizer.encode(context)
-        return whole[:len(ctx)], whole[len(ctx):]
+        return ctx, whole[len(ctx):]
 
     def fits(self, request: Request) -> bool:
         """Whether ``request`` fits the model's context (``max_length``) as this scorer would run
