@@ -136,3 +136,18 @@ def test_eval_run_errors_are_one_line(run, capsys, tmp_path):
     rc, _, err = cli(capsys, "eval", "run", "--model", str(run / "release"), "--tasks",
                      "h4_cli_mc", "--limit", "0")
     assert_one_line_error(rc, err, "--limit=0 must be >= 1")
+
+
+@pytest.mark.parametrize("tasks", [",", "", " , "])
+def test_an_empty_task_list_is_an_error_naming_the_option(capsys, tmp_path, tasks):
+    # checked before the model loads: the model directory is not even read
+    rc, out, err = cli(capsys, "eval", "run", "--model", str(tmp_path), "--tasks", tasks)
+    assert_one_line_error(rc, err, "--tasks", "names no task")
+    assert out == ""
+    rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(tmp_path / "run"),
+                     "--tasks", tasks, "--no-progress")
+    assert_one_line_error(rc, err, "evaluate.tasks=", "names no task")
+    assert not (tmp_path / "run").exists()
+    rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(tmp_path / "run"),
+                     f"evaluate.in_loop.tasks={tasks}", "--no-progress")
+    assert_one_line_error(rc, err, "evaluate.in_loop.tasks=", "names no task")

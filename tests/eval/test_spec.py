@@ -89,6 +89,7 @@ def test_evaluate_section_is_checked_at_load_with_the_key_named():
     assert e.in_loop.interval == 5 and e.in_loop.tasks == ["h4_spec_toy"]
     assert e.in_loop.limit == 100 and e.in_loop.bpb is True
     assert load_config("tiny").evaluate.checkpoints == "latest"
+    assert load_config("tiny", ["evaluate.tasks=[]"]).evaluate.tasks == []  # none, on purpose
     bad = {
         "evaluate.tasks=[h4_spec_tyo]": "evaluate.tasks: unknown task 'h4_spec_tyo'; did you "
                                         "mean 'h4_spec_toy'",
@@ -99,6 +100,9 @@ def test_evaluate_section_is_checked_at_load_with_the_key_named():
         "evaluate.limit=0": "evaluate.limit=0",
         "evaluate.in_loop.intervl=3": "did you mean 'evaluate.in_loop.interval'",
         "evaluate.allow_network=maybe": "evaluate.allow_network",
+        "evaluate.tasks=,": "evaluate.tasks=[','] names no task",
+        "evaluate.tasks=['']": "evaluate.tasks=[''] names no task",
+        "evaluate.in_loop.tasks=' , '": "evaluate.in_loop.tasks=[' , '] names no task",
     }
     for override, fragment in bad.items():
         with pytest.raises(OlmoflowError) as e:

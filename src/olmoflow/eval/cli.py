@@ -237,6 +237,9 @@ def score_model_dir(model: str | Path, specs: list[str], *, limit: int | None = 
     defaults = EvalSettings(limit=limit, data_dir=Path(data_dir) if data_dir else None,
                             strict=strict, allow_network=allow_network)
     resolved = resolve(specs, defaults)  # bad specs fail before the model loads
+    if not resolved:
+        raise OlmoflowError(f"--tasks {' '.join(map(repr, specs))} names no task; give task "
+                            "specs such as arc_easy,hellaswag (see 'olmoflow eval list')")
     m, tok, src, trained = load_model_dir(model, tokenizer)
     if torch.cuda.is_available():
         m = m.to("cuda")

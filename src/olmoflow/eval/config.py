@@ -20,13 +20,17 @@ def _check_limit(value: int | None, key: str) -> None:
 
 def _normalize_tasks(tasks: list[str], key: str) -> list[str]:
     """The specs in canonical form (see :func:`olmoflow.eval.spec.normalize`), their task names
-    checked against the registry; a bad spec is one line naming ``key``."""
+    checked against the registry; a bad spec is one line naming ``key``. ``[]`` means no tasks;
+    a value that is only commas and blanks (``","``, ``""``) is an error, not a silent ``[]``."""
     from olmoflow.eval.spec import check_names, normalize
 
     try:
         specs = normalize(tasks)
     except OlmoflowError as e:
         raise OlmoflowError(f"{key}: {e}") from None
+    if tasks and not specs:
+        raise OlmoflowError(f"{key}={tasks!r} names no task; give task specs such as arc_easy "
+                            "(see 'olmoflow eval list'), or [] for none")
     if specs:
         check_names(specs, key)
     return specs
