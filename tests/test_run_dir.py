@@ -1,11 +1,16 @@
-"""RunDir: the one map from stages to directories, and the readers that ask it."""
+"""RunDir: the map from stages to directories the stage records register, and the readers that
+ask it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from olmoflow import run_dir
 from olmoflow.errors import OlmoflowError
-from olmoflow.run_dir import STAGE_DIRS, TRAINING_LOG, RunDir
+from olmoflow.pipeline.stages import STAGES
+from olmoflow.run_dir import TRAINING_LOG, RunDir
 
 
 def test_stages_map_to_their_directories(tmp_path):
@@ -13,11 +18,64 @@ def test_stages_map_to_their_directories(tmp_path):
     assert runs.stage("train-tokenizer") == tmp_path / "tokenizer"
     assert runs.stage("tokenize") == tmp_path / "tokens"
     assert runs.stage("evaluate") == tmp_path / "eval"
-    assert runs.stage("sft") == tmp_path / "sft"  # a stage the table does not list: its name
+    assert runs.stage("sft") == tmp_path / "sft"
+    assert runs.stage("toy") == tmp_path / "toy"  # a stage no record names: its name
     assert runs.training_log() == tmp_path / "pretrain" / TRAINING_LOG
     assert runs.training_log("sft") == tmp_path / "sft" / TRAINING_LOG
     assert runs.config == tmp_path / "config.yaml"
-    assert len(set(STAGE_DIRS.values())) == len(STAGE_DIRS)
+
+
+def test_every_record_s_directory_is_the_one_run_dir_gives(tmp_path):
+    assert run_dir.flow_places() == tuple(STAGES)
+    assert [s.name for s in run_dir.model_places()] == [s.name for s in STAGES.models()]
+    dirs = [s.dirname for s in STAGES]
+    assert len(set(dirs)) == len(dirs)
+    for s in STAGES:
+        assert RunDir(tmp_path).stage(s.name) == tmp_path / s.dirname
+
+
+def test_two_stages_of_one_directory_are_refused():
+    place = run_dir.StagePlace
+    with pytest.raises(ValueError, match="share directory 'x'"):
+        run_dir.register_flow([place("a", directory="x"), place("x")])
+    with pytest.raises(ValueError, match="not a plain directory name"):
+        run_dir.register_flow([place("a", directory="../x")])
+    assert run_dir.flow_places() == tuple(STAGES)  # a refused table changes nothing
+
+
+def test_without_the_records_a_finished_stage_is_found_by_its_manifest(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_dir, "_FLOW", ())
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens" / "manifest.json").write_text(json.dumps({"stage": "tokenize"}))
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / TRAINING_LOG).write_text("")
+    runs = RunDir(tmp_path)
+    assert runs.stage("tokenize") == tmp_path / "tokens"
+    assert runs.stage("pretrain") == tmp_path / "pretrain"
+    assert runs.stage("clean") == tmp_path / "clean"  # nowhere: its name
+    assert runs.training_log() == tmp_path / "pretrain" / TRAINING_LOG
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / TRAINING_LOG).write_text("")
+    with pytest.raises(OlmoflowError, match="holds 2 training logs.*name the stage"):
+        runs.training_log()
+    assert RunDir.containing(tmp_path / "tokens") is None  # no config.yaml beside it
+    (tmp_path / "config.yaml").write_text("seed: 1\n")
+    assert RunDir.containing(tmp_path / "tokens") == runs
+
+
+@pytest.mark.parametrize("overrides, lengths", [
+    ({}, [64]),
+    ({"sft": {"data": {"paths": ["a.jsonl"]}, "train": {"sequence_length": 256}}}, [64, 256]),
+    # a section without data did not run; RL trains on its prompts, not on windows
+    ({"dpo": {"data": {"paths": []}, "train": {"sequence_length": 512}},
+      "rl": {"prompts": {"source": "arithmetic"}, "train": {"sequence_length": 999}}}, [64]),
+])
+def test_trained_lengths_follow_the_records_and_their_rule_without_them(
+        monkeypatch, overrides, lengths):
+    tree = {"train": {"sequence_length": 64}, **overrides}
+    assert run_dir.trained_lengths(tree) == lengths
+    monkeypatch.setattr(run_dir, "_FLOW", ())
+    assert run_dir.trained_lengths(tree) == lengths
 
 
 @pytest.mark.parametrize("bad", ["", "..", "../x", "a/b", ".hidden", "-x"])

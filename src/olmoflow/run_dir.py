@@ -1,9 +1,16 @@
-"""The layout of a run directory: which directory each stage of the flow writes.
+"""The layout of a run directory: which directory each stage of the flow writes, and which
+stages make a model.
 
-:data:`STAGE_DIRS` is the one place stage directory names are spelt. The pipeline's stages, the
-release bundle, ``export``, ``plot`` and anything that reads a finished run ask :class:`RunDir`.
-A stage that is not in the table (a new one: ``sft``, ``evaluate-checkpoints``) writes in a
-directory named after itself, so adding a stage is one entry in the pipeline's table of stages.
+Everything about a stage lives in its record (:class:`olmoflow.pipeline.stage.Stage`), the
+directory it writes included. This module sits at the bottom of the layer order and must not
+import ``pipeline/``, yet its readers (the release bundle, ``export``, ``plot``, ``chat``,
+``verify``) need the directories of the flow's stages. So the part of a record that readers need,
+:class:`StagePlace` (name, directory, the model it makes), is defined here, ``Stage`` extends it,
+and the flow's table of stages registers its records here when it is built
+(:func:`register_flow`); directory names are spelt once, in the records. A process that never
+imported the records (library use of a reader alone) still finds the directories of a finished
+run: each stage directory's ``manifest.json`` names its stage (:func:`own_manifest_stage`), and a
+stage found nowhere lies in a directory named after itself.
 
 A directory is an olmoflow run when it holds the marker file ``.olmoflow-run``
 (:func:`claim_directory`): the project clears and rewrites stage directories only there, so a
@@ -18,26 +25,12 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from olmoflow.errors import OlmoflowError
 
-#: stage name (the CLI verb) -> its directory under the run directory, where the two differ or
-#: where readers look for a stage's directory by its name (``RunDir.containing``).
-STAGE_DIRS: dict[str, str] = {
-    "collect": "collect",
-    "clean": "clean",
-    "train-tokenizer": "tokenizer",
-    "tokenize": "tokens",
-    "pretrain": "pretrain",
-    "sft": "sft",
-    "dpo": "dpo",
-    "rl": "rl",
-    "evaluate": "eval",
-    "generate": "generate",
-    "release": "release",
-}
 CONFIG_FILE = "config.yaml"
 #: The marker file that says a directory is an olmoflow run directory (see :func:`claim_directory`).
 RUN_MARKER = ".olmoflow-run"
@@ -50,12 +43,128 @@ _FINGERPRINT = ".fingerprint"
 _MANIFEST = "manifest.json"
 # A config.yaml or manifest larger than this is not one of ours (and is not parsed).
 _MAX_OWN_FILE = 16 << 20
-#: the stage whose checkpoints and training log a run's readers mean by default (plot, export).
-TRAINING_STAGE = "pretrain"
 #: the training log a training stage writes in its directory (one JSON object per logged step).
 TRAINING_LOG = "metrics.jsonl"
 # A stage name becomes a directory name: one path component, no hidden or relative names.
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Makes:
+    """What a stage that makes a model records of it: its checkpoints lie in the stage's
+    directory (``latest`` the final one), and the stages that make models, in table order, are
+    the run's model chain (pretrain, sft, dpo, rl: each starts from the one before).
+
+    Attributes:
+        sequence_length: the dotted config key of the window it trains on
+            (``"sft.train.sequence_length"``); None when it has no fixed window (RL trains on its
+            prompts and ``max_new_tokens``).
+        data: the dotted key of the data whose presence makes the stage part of a run
+            (``"sft.data"``: its ``paths``, ``processors`` or ``generate``); empty: always part of
+            it (pretraining).
+        own_tokenizer: its tokenizer (chat template, added tokens) is saved in the stage's
+            ``tokenizer/`` directory; otherwise it is the run's tokenizer.
+    """
+
+    sequence_length: str | None = None
+    data: str = ""
+    own_tokenizer: bool = False
+
+
+@dataclass(frozen=True)
+class StagePlace:
+    """The part of a stage's record that readers of a run directory need: where the stage writes
+    and whether it makes a model. :class:`olmoflow.pipeline.stage.Stage` extends it with what the
+    runner needs.
+
+    Attributes:
+        name: the CLI verb and the stage's key in manifests and :class:`RunDir`.
+        directory: its directory under the run directory; empty: its name.
+        makes: set for a stage that makes a model (see :class:`Makes`).
+    """
+
+    name: str
+    directory: str = field(default="", kw_only=True)
+    makes: Makes | None = field(default=None, kw_only=True)
+
+    @property
+    def dirname(self) -> str:
+        """The directory name the stage writes in (``directory``, else ``name``)."""
+        return self.directory or self.name
+
+
+# The flow's stages, registered by its table of records (see the module docstring).
+_FLOW: tuple[StagePlace, ...] = ()
+
+
+def register_flow(places: Iterable[StagePlace]) -> None:
+    """Make ``places`` (the flow's table of stage records, in run order) the stages every
+    :class:`RunDir` knows; the table of stages calls this when it is built.
+
+    Raises:
+        ValueError: a name or directory that is not one plain directory name, or two stages of
+            one directory (a mistake in the table, not in the user's input).
+    """
+    global _FLOW
+    places = tuple(places)
+    seen: dict[str, str] = {}
+    for p in places:
+        for what in (p.name, p.dirname):
+            if not _STAGE_NAME.match(what):
+                raise ValueError(f"stage '{p.name}': '{what}' is not a plain directory name")
+        if p.dirname in seen:
+            raise ValueError(f"stages '{seen[p.dirname]}' and '{p.name}' share directory "
+                             f"'{p.dirname}'")
+        seen[p.dirname] = p.name
+    _FLOW = places
+
+
+def flow_places() -> tuple[StagePlace, ...]:
+    """The flow's stages in run order, as registered (empty when the records are not loaded)."""
+    return _FLOW
+
+
+def model_places() -> list[StagePlace]:
+    """The flow's stages that make a model, in chain order."""
+    return [p for p in _FLOW if p.makes is not None]
+
+
+def _registered(name: str) -> StagePlace | None:
+    return next((p for p in _FLOW if p.name == name), None)
+
+
+def _stage_dirnames() -> set[str]:
+    return {p.dirname for p in _FLOW}
+
+
+def _dotted(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _data_named(data: Any) -> bool:
+    return isinstance(data, dict) and any(data.get(k) for k in ("paths", "processors", "generate"))
+
+
+def trained_lengths(tree: dict[str, Any]) -> list[int]:
+    """The sequence lengths a model was trained on, by the saved run config ``tree`` it carries
+    (a checkpoint's or release's ``config.yaml``, as a mapping), in chain order: a model is
+    trained on the windows of every stage of its chain that ran (pretraining on short ones, SFT
+    on longer conversations), each at its record's :attr:`Makes.sequence_length` key; a stage
+    with data to name (:attr:`Makes.data`) ran when that data is set. Without the records
+    loaded, the same rule read from the config's shape: ``train.sequence_length`` and the
+    ``<section>.train.sequence_length`` of every section whose ``data`` is set."""
+    if _FLOW:
+        keys = [p.makes.sequence_length for p in model_places()
+                if p.makes is not None and p.makes.sequence_length is not None
+                and (not p.makes.data or _data_named(_dotted(tree, p.makes.data)))]
+    else:
+        keys = ["train.sequence_length"] + [
+            f"{name}.train.sequence_length" for name, section in tree.items()
+            if isinstance(section, dict) and _data_named(section.get("data"))]
+    values = [_dotted(tree, k) for k in keys]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
 
 
 @dataclass(frozen=True)
@@ -68,18 +177,27 @@ class RunDir:
         object.__setattr__(self, "root", Path(root))
 
     def stage(self, name: str) -> Path:
-        """The directory of stage ``name`` (``"train-tokenizer"`` -> ``root/tokenizer``; a stage
-        not in :data:`STAGE_DIRS` -> ``root/<name>``).
+        """The directory of stage ``name``: the one its record names (``"train-tokenizer"`` ->
+        ``root/tokenizer``); for a stage not registered (see the module docstring) the
+        directory named after it when there is one, else the one whose manifest names the
+        stage, else ``root/<name>``.
 
         Raises:
             OlmoflowError: ``name`` cannot be a directory name (empty, a path, or hidden).
         """
-        if name in STAGE_DIRS:
-            return self.root / STAGE_DIRS[name]
+        place = _registered(name)
+        if place is not None:
+            return self.root / place.dirname
         if not isinstance(name, str) or not _STAGE_NAME.match(name):
-            raise OlmoflowError(f"'{name}' is not a stage name (letters, digits, '-', '_', '.'; "
-                                f"the flow's stages: {', '.join(STAGE_DIRS)})")
-        return self.root / name
+            known = f"; the flow's stages: {', '.join(p.name for p in _FLOW)}" if _FLOW else ""
+            raise OlmoflowError(f"'{name}' is not a stage name (letters, digits, '-', '_', "
+                                f"'.'{known})")
+        own = self.root / name
+        if not own.is_dir() and self.root.is_dir():
+            for d in sorted(self.root.iterdir()):
+                if d.is_dir() and not d.is_symlink() and own_manifest_stage(d) == name:
+                    return d
+        return own
 
     def need(self, name: str, filename: str) -> Path:
         """Path of an artifact of stage ``name``, or an error telling the user what to run first.
@@ -93,9 +211,24 @@ class RunDir:
                                 "first")
         return p
 
-    def training_log(self, stage: str = TRAINING_STAGE) -> Path:
+    def training_log(self, stage: str | None = None) -> Path:
         """The training log of training stage ``stage`` (``root/pretrain/metrics.jsonl``); it may
-        not exist yet."""
+        not exist yet. ``stage`` None: the first stage of the model chain (pretraining).
+
+        Raises:
+            OlmoflowError: ``stage`` is None, the records are not loaded and the run holds
+                not exactly one training log (the message says to name the stage).
+        """
+        if stage is None:
+            models = model_places()
+            if models:
+                stage = models[0].name
+            else:
+                logs = sorted(self.root.glob(f"*/{TRAINING_LOG}")) if self.root.is_dir() else []
+                if len(logs) != 1:
+                    raise OlmoflowError(f"'{self.root}' holds {len(logs)} training logs and the "
+                                        "flow's stage records are not loaded; name the stage")
+                return logs[0]
         return self.stage(stage) / TRAINING_LOG
 
     @property
@@ -106,13 +239,21 @@ class RunDir:
     @classmethod
     def containing(cls, path: str | Path) -> RunDir | None:
         """The run directory ``path`` is, or is a stage directory of (``runs/demo/pretrain`` ->
-        ``runs/demo``); None when it is neither."""
+        ``runs/demo``); None when it is neither. A stage directory is one a registered stage
+        writes, or one whose manifest names a stage."""
         p = Path(path)
-        if p.name in STAGE_DIRS.values() and (p.parent / CONFIG_FILE).is_file():
+        if (p.parent / CONFIG_FILE).is_file() and _is_stage_dir(p):
             return cls(p.parent)
-        if (p / CONFIG_FILE).is_file() or any((p / d).is_dir() for d in STAGE_DIRS.values()):
+        if (p / CONFIG_FILE).is_file() or (p.is_dir() and any(
+                _is_stage_dir(d) for d in p.iterdir() if d.is_dir())):
             return cls(p)
         return None
+
+
+def _is_stage_dir(p: Path) -> bool:
+    """Whether ``p`` is named as a registered stage's directory or holds a manifest naming a
+    stage."""
+    return p.name in _stage_dirnames() or own_manifest_stage(p) is not None
 
 
 # ---- whose directory it is ---------------------------------------------------------------------
@@ -179,7 +320,7 @@ def legacy_run_problem(root: Path, made: Callable[[Path], bool] | None = None) -
         if p.name == CONFIG_FILE or p.name.startswith("."):
             continue
         if not p.is_dir() or p.is_symlink():
-            if p.name in STAGE_DIRS.values():
+            if p.name in _stage_dirnames():
                 return f"'{p}' exists and is not a directory"
             return f"'{p.name}' is not an olmoflow stage directory"
         stage = own_manifest_stage(p)
@@ -220,7 +361,7 @@ def require_run_dir(path: str | os.PathLike) -> RunDir:
     if (p / "files.json").is_file() or (p / "config.json").is_file():
         raise OlmoflowError(f"'{p}' is a release or model directory, not a run directory; give "
                             f"the run it came from (e.g. '{p.parent}')")
-    if RunDir.containing(p) is not None and p.name in STAGE_DIRS.values():
+    if RunDir.containing(p) is not None and _is_stage_dir(p):
         raise OlmoflowError(f"'{p}' is a stage directory; give its run directory '{p.parent}'")
     raise OlmoflowError(f"'{p}' is not a run directory (no {CONFIG_FILE} and {RUN_MARKER} in "
                         "it); give a run directory such as runs/demo")

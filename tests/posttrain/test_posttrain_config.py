@@ -8,7 +8,8 @@ import pytest
 from olmoflow.config import from_dict
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import load_config
-from olmoflow.pipeline.stages.common import final_model_stage, previous_model_stage
+from olmoflow.pipeline.models import final_model_stage, previous_model_stage
+from olmoflow.pipeline.stages import STAGES  # noqa: F401  (the flow's table, which the chain reads)
 from olmoflow.posttrain.config import DPOConfig, SFTConfig
 from olmoflow.train.config import TrainConfig
 

@@ -255,6 +255,7 @@ def _trained_length(directory: Path) -> int | None:
     of a model pretrained on short windows was trained on its longer conversations); None
     without one."""
     from olmoflow.config import read_yaml_mapping
+    from olmoflow.run_dir import trained_lengths
 
     cfg = directory / "config.yaml"
     if not cfg.is_file():
@@ -264,19 +265,7 @@ def _trained_length(directory: Path) -> int | None:
     except OlmoflowError:
         return None
 
-    def length(section: Any) -> int | None:
-        train = section.get("train") if isinstance(section, dict) else None
-        v = train.get("sequence_length") if isinstance(train, dict) else None
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-    found = [length(data)]
-    for stage in ("sft", "dpo"):  # RL's windows are its prompts and max_new_tokens
-        section = data.get(stage)
-        stage_data = section.get("data") if isinstance(section, dict) else None
-        if isinstance(stage_data, dict) and any(stage_data.get(k) for k in
-                                                ("paths", "processors", "generate")):
-            found.append(length(section))
-    found = [v for v in found if v is not None]
+    found = trained_lengths(data)
     return max(found) if found else None
 
 

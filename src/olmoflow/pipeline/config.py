@@ -11,6 +11,7 @@ parser of :mod:`olmoflow.config`. The resolved config is saved with every run
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,8 +106,13 @@ class RunConfig:
         return dataclasses.asdict(getattr(self, name))
 
 
-#: the post-training stages; ``olmoflow STAGE CONFIG`` reads a finetuning config (below) for them.
-POSTTRAIN_STAGES = ("sft", "dpo", "rl")
+def finetune_sections() -> list[str]:
+    """The sections of a post-training stage (those with a ``base`` to start from: ``sft``,
+    ``dpo``, ``rl``); ``olmoflow STAGE CONFIG`` reads a finetuning config (below) for them."""
+    hints = typing.get_type_hints(RunConfig)
+    return [f.name for f in dataclasses.fields(RunConfig)
+            if dataclasses.is_dataclass(hints[f.name])
+            and "base" in {g.name for g in dataclasses.fields(hints[f.name])}]
 
 
 def finetune_form(name_or_path: str | None, stage: str | None) -> Callable[[str], str] | None:
@@ -116,7 +122,7 @@ def finetune_form(name_or_path: str | None, stage: str | None) -> Callable[[str]
     those keys in the stage's section (``train`` -> ``sft.train``, ``optimizer`` ->
     ``sft.train.optimizer``, ``data`` -> ``sft.data``, ``load_path`` -> ``sft.base``). None for
     any other config or verb."""
-    if stage not in POSTTRAIN_STAGES or not name_or_path:
+    if stage not in finetune_sections() or not name_or_path:
         return None
     try:
         raw = read_yaml_mapping(resolve_preset(name_or_path))

@@ -117,11 +117,11 @@ def step_batch(cfg, step: int, tok=None):
             state does not fit the data (another seed, packing, sequence length or data).
     """
     from olmoflow.pipeline.stages.common import load_tokenizer, stage_dir
-    from olmoflow.pipeline.stages.train import pretrain_loader
+    from olmoflow.pipeline.stages.train import PRETRAIN, pretrain_loader
 
     if step < 1:
         raise OlmoflowError(f"--step must be >= 1 (steps count from 1), got {step}")
-    folder = stage_dir(cfg, "pretrain")
+    folder = stage_dir(cfg, PRETRAIN.name)
     done = trained_steps(folder)
     if done is not None and step > done:
         raise OlmoflowError(f"the run trained {done} steps ({folder / 'metrics.jsonl'}); "

@@ -105,7 +105,7 @@ def reproduce(run: str | Path, checkpoint: str, steps: int,
             no logged step within the replayed ones; bad overrides.
     """
     from olmoflow.pipeline.config import load_config
-    from olmoflow.pipeline.stages.train import pretrain_parts
+    from olmoflow.pipeline.stages.train import PRETRAIN, pretrain_parts
     from olmoflow.run_dir import RunDir, require_run_dir
     from olmoflow.train.checkpoint import resolve_checkpoint
     from olmoflow.train.checkpoint_names import parse_checkpoint_name
@@ -115,7 +115,7 @@ def reproduce(run: str | Path, checkpoint: str, steps: int,
     require_run_dir(run)
     if steps < 1:
         raise OlmoflowError(f"--steps must be >= 1, got {steps}")
-    folder = RunDir(run).stage("pretrain")
+    folder = RunDir(run).stage(PRETRAIN.name)
     ckpt = resolve_checkpoint(folder, checkpoint)
     start = parse_checkpoint_name(ckpt.name)
     log = read_log(folder / "metrics.jsonl")

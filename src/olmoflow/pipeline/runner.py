@@ -97,6 +97,11 @@ def _resolved(cfg: RunConfig, key: str) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
+def stage_path(cfg: RunConfig, stage: Stage) -> Path:
+    """The directory ``stage`` writes in the run ``cfg`` (its record's directory)."""
+    return RunDir(cfg.run_dir).root / stage.dirname
+
+
 def fingerprint(cfg: RunConfig, name: str, table: StageTable | None = None) -> str:
     """The sha256 of what stage ``name`` makes its output from: its config sections (less its
     bookkeeping keys), its extra stamp, and the manifests of the enabled upstream stages.
@@ -113,10 +118,9 @@ def fingerprint(cfg: RunConfig, name: str, table: StageTable | None = None) -> s
         set_dotted(parts, sec, _resolved(cfg, sec))
     for key in stage.ignore:
         _drop(parts, key)
-    runs = RunDir(cfg.run_dir)
     for up in stage.upstream:
         if table[up].is_enabled(cfg):
-            m = read_manifest(runs.stage(up)) or {}
+            m = read_manifest(stage_path(cfg, table[up])) or {}
             parts[f"upstream:{up}"] = [m.get("fingerprint"), m.get("outputs")]
     if stage.stamp is not None:
         parts["stamp"] = stage.stamp(cfg)
@@ -142,7 +146,7 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     """
     table = STAGES if table is None else table
     stage = table[name]
-    out = RunDir(cfg.run_dir).stage(name)
+    out = stage_path(cfg, stage)
     info = distributed.init_from_env()  # under torchrun; one process otherwise
     with contextlib.ExitStack() as held:
         _hold(Path(cfg.run_dir), info, held)

@@ -1,19 +1,33 @@
-"""The record of a stage, and the table of them: everything the runner needs to know about a
-stage, so that the runner itself knows no stage by name.
+"""The record of a stage, and the table of them: everything about a stage, so that nothing else
+(the runner, the readers of a run, the CLI) knows a stage by name.
 
-A new stage (evaluation across checkpoints, sft, dpo, rl, a release tool) is one :class:`Stage`
-entry in the table (:data:`olmoflow.pipeline.stages.STAGES`); its directory comes from
-:class:`olmoflow.run_dir.RunDir` (a directory named after the stage unless that table says
-otherwise), its CLI verb from its name.
+A :class:`Stage` says where the stage writes and whether it makes a model (the fields of
+:class:`olmoflow.run_dir.StagePlace`, which it extends: readers below ``pipeline/`` in the layer
+order see that part, registered by the flow's table), which model it reads, which config it
+depends on and how it runs. The stages that make a model, in table order, are the run's model
+chain (see :mod:`olmoflow.pipeline.models`). A new stage is one record in the table
+(:data:`olmoflow.pipeline.stages.STAGES`); its CLI verb comes from its name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from olmoflow.errors import unknown_name_error
+from olmoflow.run_dir import Makes, StagePlace, register_flow
+
+__all__ = ["FIRST_MODEL", "FINAL_MODEL", "PREVIOUS_MODEL", "Flag", "Makes", "Stage", "StageTable",
+           "Trains", "flow"]
+
+#: :attr:`Stage.reads`: the first model of the run's chain (the pretrained model).
+FIRST_MODEL = "first model"
+#: :attr:`Stage.reads`: the model the chain has made before this stage (a post-training base).
+PREVIOUS_MODEL = "previous model"
+#: :attr:`Stage.reads`: the model the run ends with (the last enabled stage of the chain).
+FINAL_MODEL = "final model"
+_READS = (FIRST_MODEL, PREVIOUS_MODEL, FINAL_MODEL)
 
 if TYPE_CHECKING:
     from olmoflow.artifacts import StageResult
@@ -59,16 +73,22 @@ class Flag:
 
 
 @dataclass(frozen=True)
-class Stage:
+class Stage(StagePlace):
     """One stage of the flow.
 
     Attributes:
-        name: the CLI verb and the key of its directory in :class:`olmoflow.run_dir.RunDir`.
+        name: the CLI verb and its key in manifests and :class:`olmoflow.run_dir.RunDir`.
+        directory: its directory under the run directory (keyword; default: its name).
+        makes: set for a stage that makes a model (keyword; see :class:`~olmoflow.run_dir.Makes`).
+        reads: the model of the chain it reads (keyword): :data:`FIRST_MODEL`,
+            :data:`PREVIOUS_MODEL` or :data:`FINAL_MODEL`; empty: none. The stages that make
+            that model are added to its ``upstream`` by the table (every earlier one for the
+            previous or final model: which of them is enabled is the config's choice).
         run: ``(cfg, progress) -> StageResult``; writes only into the stage's directory.
         sections: dotted config keys (``"model"``, ``"train"``, ``"seed"``, ``"train.optimizer"``)
             whose resolved values its output depends on; they are part of its fingerprint.
         upstream: stages whose manifests (fingerprint and outputs) are part of its fingerprint;
-            each comes before it in the table.
+            each comes before it in the table (the model stages ``reads`` names are added).
         headline: count keys printed after it runs and in the summary table.
         help: one line for ``olmoflow --help``.
         ignore: bookkeeping keys, dotted, left out of the fingerprint because they change how a run
@@ -95,10 +115,28 @@ class Stage:
     trains: Trains | None = None
     flags: tuple[Flag, ...] = ()
     show: Callable[[RunConfig], None] | None = None
+    reads: str = field(default="", kw_only=True)
 
     def is_enabled(self, cfg: RunConfig) -> bool:
         """Whether this stage is part of the run ``cfg`` (see ``enabled``)."""
         return self.enabled is None or bool(self.enabled(cfg))
+
+
+def _with_models(stage: Stage, earlier: list[Stage]) -> tuple[str, ...]:
+    """``stage.upstream`` with the model stages among ``earlier`` that its ``reads`` names put
+    first (once each), in table order.
+
+    Raises:
+        ValueError: ``reads`` is not one of the three, or no earlier stage makes a model.
+    """
+    if stage.reads not in _READS:
+        raise ValueError(f"stage '{stage.name}': reads='{stage.reads}' is none of {_READS}")
+    models = [s.name for s in earlier if s.makes is not None]
+    if not models:
+        raise ValueError(f"stage '{stage.name}' reads the {stage.reads} but no earlier stage "
+                         "makes a model")
+    chosen = models[:1] if stage.reads == FIRST_MODEL else models
+    return tuple(dict.fromkeys([*chosen, *stage.upstream]))
 
 
 class StageTable:
@@ -110,15 +148,19 @@ class StageTable:
     """
 
     def __init__(self, stages: Iterable[Stage]) -> None:
-        self._stages: tuple[Stage, ...] = tuple(stages)
+        out: list[Stage] = []
         seen: set[str] = set()
-        for s in self._stages:
+        for s in stages:
             if s.name in seen:
                 raise ValueError(f"two stages named '{s.name}'")
+            if s.reads:
+                s = replace(s, upstream=_with_models(s, out))
             missing = [u for u in s.upstream if u not in seen]
             if missing:
                 raise ValueError(f"stage '{s.name}': upstream {missing} must be earlier stages")
             seen.add(s.name)
+            out.append(s)
+        self._stages: tuple[Stage, ...] = tuple(out)
         self._by_name = {s.name: s for s in self._stages}
 
     def __iter__(self) -> Iterator[Stage]:
@@ -150,6 +192,25 @@ class StageTable:
         """The stages that are part of the run ``cfg``, in run order."""
         return [s for s in self._stages if s.is_enabled(cfg)]
 
+    def ancestors(self, name: str) -> list[str]:
+        """Every stage that stage ``name`` is made from (its upstream, theirs, ...), in run
+        order.
+
+        Raises:
+            OlmoflowError: ``name`` is no stage.
+        """
+        todo, found = list(self[name].upstream), set()
+        while todo:
+            up = todo.pop()
+            if up not in found:
+                found.add(up)
+                todo.extend(self[up].upstream)
+        return [n for n in self.names if n in found]
+
+    def models(self) -> list[Stage]:
+        """The stages that make a model (the model chain, enabled or not), in run order."""
+        return [s for s in self._stages if s.makes is not None]
+
     def with_stage(self, stage: Stage, *, after: str | None = None) -> StageTable:
         """A new table with ``stage`` added after stage ``after`` (default: last); this table is
         unchanged.
@@ -162,3 +223,30 @@ class StageTable:
         stages = list(self._stages)
         at = len(stages) if after is None else stages.index(self[after]) + 1
         return StageTable(stages[:at] + [stage] + stages[at:])
+
+
+# The flow's table (olmoflow.pipeline.stages.STAGES), set when it is built.
+_FLOW: StageTable | None = None
+
+
+def register_flow_table(table: StageTable) -> StageTable:
+    """Make ``table`` the flow's: the one :func:`flow` returns and whose directories and model
+    chain every :class:`~olmoflow.run_dir.RunDir` knows. Returns ``table``."""
+    global _FLOW
+    register_flow(table)
+    _FLOW = table
+    return table
+
+
+def flow() -> StageTable:
+    """The flow's table of stages (:data:`olmoflow.pipeline.stages.STAGES`), for the stage
+    functions that ask about other stages (the model chain) without importing the table that
+    holds them.
+
+    Raises:
+        RuntimeError: the table is not built yet (``olmoflow.pipeline.stages`` not imported).
+    """
+    if _FLOW is None:
+        raise RuntimeError("the flow's table of stages is not built; import "
+                           "olmoflow.pipeline.stages first")
+    return _FLOW

@@ -237,6 +237,11 @@ class RLPromptsConfig:
         if self.heldout < 0:
             raise OlmoflowError(f"rl.prompts.heldout must be >= 0, got {self.heldout}")
 
+    @property
+    def given(self) -> bool:
+        """Whether prompts are named (the ``rl`` stage is part of the run only then)."""
+        return self.source is not None
+
 
 @dataclass
 class RLConfig:

@@ -247,6 +247,20 @@ LAYOUT_KEYS = tuple(f"parallel.{k}" for k in (
     "data_parallel", "shard_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule",
     "stages_per_rank", "pipeline_split", "context_parallel", "cpu_offload"))
 
+#: ``TrainConfig`` keys that change how a run is kept, logged or laid out on the machine, not the
+#: weights it makes: a stage leaves them out of its fingerprint, so changing one resumes an
+#: interrupted run (and leaves a complete one complete) instead of deleting its checkpoints and
+#: training again from step 0.
+BOOKKEEPING_KEYS = ("checkpoint.resume_from", "checkpoint.save_interval", "checkpoint.keep_every",
+                    "checkpoint.keep_last", "num_threads", "log.interval", "log.detailed_interval",
+                    "log.loggers", *LAYOUT_KEYS)
+
+
+def bookkeeping_keys(section: str) -> tuple[str, ...]:
+    """:data:`BOOKKEEPING_KEYS` under the dotted key ``section`` of a train section
+    (``"sft.train"`` -> ``"sft.train.log.interval"``, ...)."""
+    return tuple(f"{section}.{k}" for k in BOOKKEEPING_KEYS)
+
 
 # Old flat ``train.<key>`` -> its place now (a dotted path under ``train``).
 RENAMED = {

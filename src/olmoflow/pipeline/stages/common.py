@@ -11,10 +11,17 @@ import torch
 from olmoflow.artifacts import MANIFEST, data_files
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig
+from olmoflow.pipeline.models import final_model_stage
+from olmoflow.pipeline.stage import flow
 from olmoflow.run_dir import RunDir
 
 if TYPE_CHECKING:
     from olmoflow.data.tokenize import TokenDir
+
+
+#: the directory under a stage's own where a stage whose record says ``own_tokenizer`` saves its
+#: tokenizer (chat template, added tokens).
+TOKENIZER = "tokenizer"
 
 
 def stage_dir(cfg: RunConfig, name: str) -> Path:
@@ -149,38 +156,15 @@ def model_inputs(cfg: RunConfig, ckpt: Path, stage: str | None = None) -> list[P
     return data_files(ckpt) + data_files(final_tokenizer_dir(cfg, stage))
 
 
-#: the stages that train a model, in flow order: a post-training stage's default base is the
-#: final checkpoint of the last enabled one before it.
-MODEL_STAGES = ("pretrain", "sft", "dpo", "rl")
-
-
-def stage_enabled(cfg: RunConfig, name: str) -> bool:
-    """Whether training stage ``name`` is part of the run (a post-training stage: its data is
-    named)."""
-    if name == "pretrain":
-        return True
-    if name == "rl":
-        return cfg.rl.prompts.source is not None
-    return getattr(cfg, name).data.given
-
-
-def final_model_stage(cfg: RunConfig) -> str:
-    """The training stage whose final checkpoint is the run's model (release, generate)."""
-    return [s for s in MODEL_STAGES if stage_enabled(cfg, s)][-1]
-
-
-def previous_model_stage(cfg: RunConfig, name: str) -> str:
-    """The last enabled training stage before ``name``."""
-    before = MODEL_STAGES[:MODEL_STAGES.index(name)]
-    return [s for s in before if stage_enabled(cfg, s)][-1]
-
-
 def final_tokenizer_dir(cfg: RunConfig, stage: str | None = None) -> Path:
     """The tokenizer of the model of training stage ``stage`` (default: the run's final one,
     :func:`final_model_stage`): a post-training stage's own (chat template, added tokens), else
     the run's."""
     stage = stage or final_model_stage(cfg)
-    return tokenizer_dir(cfg) if stage == "pretrain" else stage_dir(cfg, stage) / "tokenizer"
+    makes = flow()[stage].makes
+    if makes is not None and makes.own_tokenizer:
+        return stage_dir(cfg, stage) / TOKENIZER
+    return tokenizer_dir(cfg)
 
 
 def stage_tokenizer(cfg: RunConfig, stage: str):
@@ -188,7 +172,8 @@ def stage_tokenizer(cfg: RunConfig, stage: str):
     with the run's ``tokenizer.implementation``."""
     from olmoflow.tokenizer import tokenizer_class
 
-    if stage == "pretrain":
+    makes = flow()[stage].makes
+    if makes is None or not makes.own_tokenizer:
         return load_tokenizer(cfg)
     return tokenizer_class(cfg.tokenizer.implementation).load(final_tokenizer_dir(cfg, stage))
 

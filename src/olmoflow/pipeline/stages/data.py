@@ -74,4 +74,4 @@ CLEAN = Stage("clean", run_clean, ("clean",), ("collect",),
               help="length filters and exact deduplication", enabled=own_data)
 TOKENIZE = Stage("tokenize", run_tokenize, ("tokenize", "seed"), ("clean", "train-tokenizer"),
                  ("train_tokens", "heldout_tokens", "train_documents", "heldout_documents"),
-                 help="token arrays and the held-out split", enabled=own_data)
+                 help="token arrays and the held-out split", enabled=own_data, directory="tokens")

@@ -1,5 +1,6 @@
-"""The evaluation stage: held-out loss, perplexity and bits-per-byte of the final checkpoint, and
-the downstream tasks of ``evaluate.tasks`` on the checkpoints ``evaluate.checkpoints`` names
+"""The evaluation stage: held-out loss, perplexity and bits-per-byte of the final checkpoint of
+the model its record reads (the pretrained model, the first of the run's model chain), and the
+downstream tasks of ``evaluate.tasks`` on that stage's checkpoints ``evaluate.checkpoints`` names
 (results cached per checkpoint content and task, so a rerun scores only what is new); and the
 in-loop evaluation the pretraining stage runs (``evaluate.in_loop``).
 """
@@ -14,13 +15,14 @@ import numpy as np
 from olmoflow.artifacts import StageResult, atomic_write_json
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig
-from olmoflow.pipeline.stage import Flag, Stage
+from olmoflow.pipeline.models import model_read_by
+from olmoflow.pipeline.stage import FIRST_MODEL, Flag, Stage
 from olmoflow.pipeline.stages.common import (
+    final_tokenizer_dir,
     load_trained_model,
     model_inputs,
     stage_dir,
     token_split,
-    tokenizer_dir,
 )
 from olmoflow.run_dir import previous_output
 
@@ -86,7 +88,7 @@ def _tasks_and_checkpoints(cfg: RunConfig):
 
     e = cfg.evaluate
     return (resolve(e.tasks, task_defaults(cfg, e.limit)),
-            select_checkpoints(stage_dir(cfg, "pretrain"), e.checkpoints))
+            select_checkpoints(stage_dir(cfg, model_read_by(cfg, EVALUATE.name)), e.checkpoints))
 
 
 def _score_tasks(cfg: RunConfig, tok: Any, out: Path, progress: bool, specs: list[Any],
@@ -110,7 +112,7 @@ def _score_tasks(cfg: RunConfig, tok: Any, out: Path, progress: bool, specs: lis
     cache = ResultCache(out / CACHE, [previous_output(out) / CACHE])
     rows, scored = score_checkpoints(
         ckpts, specs, load, cache, max_length=cfg.eval_sequence_length,
-        tokenizer_hash=directory_hash(tokenizer_dir(cfg)),
+        tokenizer_hash=directory_hash(final_tokenizer_dir(cfg, model_read_by(cfg, EVALUATE.name))),
         log=(lambda m: print(f"[evaluate] {m}", flush=True)) if progress else None)
     return rows, scored
 
@@ -129,7 +131,8 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.eval.report import write_reports
 
     planned = _tasks_and_checkpoints(cfg) if cfg.evaluate.tasks else None
-    model, tok, ckpt = load_trained_model(cfg, "pretrain")  # the checkpoints scored are its
+    scored_stage = model_read_by(cfg, EVALUATE.name)  # the checkpoints scored are its
+    model, tok, ckpt = load_trained_model(cfg, scored_stage)
     paths, _ = token_split(cfg, "heldout")
     tokens = _heldout_tokens(cfg)
     seq, stride = cfg.eval_sequence_length, cfg.evaluate.stride
@@ -146,9 +149,9 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
         raise OlmoflowError(f"evaluate: {e}") from None
     # the window, the stride and the count of scored targets travel with the numbers
     report = {"checkpoint": ckpt.name, "split": "heldout", **report}
-    out = stage_dir(cfg, "evaluate")
+    out = stage_dir(cfg, EVALUATE.name)
     atomic_write_json(out / REPORT, report)
-    inputs = list(paths) + model_inputs(cfg, ckpt, "pretrain")
+    inputs = list(paths) + model_inputs(cfg, ckpt, scored_stage)
     counts: dict[str, Any] = dict(report)
     rows: list[dict] = []
     if planned is not None:
@@ -156,7 +159,7 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
         specs, ckpts = planned
         rows, scored = _score_tasks(cfg, tok, out, progress, specs, ckpts)
         for c in ckpts:
-            inputs += model_inputs(cfg, c.path, "pretrain")
+            inputs += model_inputs(cfg, c.path, scored_stage)
         counts.update(tasks=len({r["task"] for r in rows}), checkpoints=len(ckpts),
                       scored=scored, cached=len(rows) - scored)
     outputs = [out / REPORT] + write_reports(rows, out, heldout=report)
@@ -164,9 +167,10 @@ def run_evaluate(cfg: RunConfig, progress: bool) -> StageResult:
 
 
 EVALUATE = Stage(
-    "evaluate", run_evaluate, ("evaluate",), ("pretrain",),
+    "evaluate", run_evaluate, ("evaluate",), (),
     ("loss", "perplexity", "bpb", "tasks", "checkpoints", "scored"),
     help="held-out loss, perplexity and bits-per-byte; downstream tasks across checkpoints",
+    directory="eval", reads=FIRST_MODEL,
     # in-loop evaluation runs inside pretraining: it changes nothing this stage makes
     ignore=("evaluate.in_loop",),
     flags=(Flag("--tasks", "evaluate.tasks", "task specs, e.g. arc_easy,hellaswag:limit=100 or "

@@ -1,4 +1,5 @@
-"""The generate stage: sample text continuations from the pretrained model."""
+"""The generate stage: sample text continuations from the model its record reads (the pretrained
+model, the first of the run's model chain)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from olmoflow.artifacts import StageResult, atomic_write_text
 from olmoflow.pipeline.config import RunConfig
-from olmoflow.pipeline.stage import Flag, Stage
+from olmoflow.pipeline.models import model_read_by
+from olmoflow.pipeline.stage import FIRST_MODEL, Flag, Stage
 from olmoflow.pipeline.stages.common import load_trained_model, model_inputs, stage_dir
 
 SAMPLES = "samples.jsonl"
@@ -17,7 +19,8 @@ SAMPLES = "samples.jsonl"
 def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
     # Raw-text continuations are what a pretrained model is for; a post-trained one answers
     # turns of its chat template (olmoflow chat) and may end its turn at once on a bare prefix.
-    model, tok, ckpt = load_trained_model(cfg, "pretrain")
+    stage = model_read_by(cfg, GENERATE.name)
+    model, tok, ckpt = load_trained_model(cfg, stage)
     g = cfg.generate
     samples = []
     for i, prompt in enumerate(g.prompts):
@@ -26,15 +29,15 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
         out = model.generate(ids, sampling=g.sampling(i), eos_token_id=tok.eos_token_id,
                              vocab_size=tok.vocab_size)
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
-    out_dir = stage_dir(cfg, "generate")
+    out_dir = stage_dir(cfg, GENERATE.name)
     atomic_write_text(out_dir / SAMPLES, "".join(json.dumps(s) + "\n" for s in samples))
-    return StageResult(inputs=model_inputs(cfg, ckpt, "pretrain"), outputs=[out_dir / SAMPLES],
+    return StageResult(inputs=model_inputs(cfg, ckpt, stage), outputs=[out_dir / SAMPLES],
                        counts={"samples": len(samples), "checkpoint": ckpt.name})
 
 
 def show_samples(cfg: RunConfig) -> None:
     """Print the samples the generate stage wrote (nothing when it wrote none)."""
-    path = stage_dir(cfg, "generate") / SAMPLES
+    path = stage_dir(cfg, GENERATE.name) / SAMPLES
     if not path.is_file():
         return
     print("\nGenerated text:")
@@ -44,8 +47,8 @@ def show_samples(cfg: RunConfig) -> None:
 
 
 GENERATE = Stage(
-    "generate", run_generate, ("generate",), ("pretrain",), ("samples",),
-    help="sample text from the pretrained model", show=show_samples,
+    "generate", run_generate, ("generate",), (), ("samples",),
+    help="sample text from the pretrained model", show=show_samples, reads=FIRST_MODEL,
     flags=(Flag("--prompt", "generate.prompts", "a prompt (repeatable)", repeat=True,
                 forces_rerun=True),
            Flag("--max-new-tokens", "generate.max_new_tokens", "tokens to sample per prompt",

@@ -21,19 +21,12 @@ from typing import Any
 from olmoflow.artifacts import StageResult, data_files
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
-from olmoflow.pipeline.stage import Stage, Trains
-from olmoflow.pipeline.stages.common import (
-    MODEL_STAGES,
-    previous_model_stage,
-    stage_dir,
-    stage_enabled,
-)
-from olmoflow.train.config import LAYOUT_KEYS
+from olmoflow.pipeline.models import previous_model_stage
+from olmoflow.pipeline.stage import PREVIOUS_MODEL, Makes, Stage, Trains
+from olmoflow.pipeline.stages.common import TOKENIZER, stage_dir
+from olmoflow.train.config import bookkeeping_keys
 
 log = logging.getLogger(__name__)
-
-TOKENIZER = "tokenizer"
-
 
 @dataclass
 class Base:
@@ -167,8 +160,7 @@ def base_stamp(stage: str):
         if getattr(section, "reference", ""):
             root = resolve_pretrained(section.reference)
             parts["reference"] = [[str(f), sha256_file(f)] for f in data_files(root)]
-        if stage != "pretrain":
-            parts["previous"] = previous_model_stage(cfg, stage) if not spec else None
+        parts["previous"] = previous_model_stage(cfg, stage) if not spec else None
         return parts
 
     return stamp
@@ -282,17 +274,33 @@ def generated_data(cfg: RunConfig, stage: str, out: Path) -> list[str]:
     return [str(path)]
 
 
-TRAIN_BOOKKEEPING_KEYS = ("checkpoint.resume_from", "checkpoint.save_interval",
-                          "checkpoint.keep_every", "checkpoint.keep_last", "num_threads",
-                          "log.interval", "log.detailed_interval", "log.loggers", *LAYOUT_KEYS)
+def posttrain_stage(name: str, run, help: str, headline: tuple[str, ...], *,
+                    data: str = "", windows: bool = True) -> Stage:
+    """The record of post-training stage ``name``: the run's config section ``name`` (its
+    ``base``, ``train`` and data), trained from the model before it in the chain, with its own
+    tokenizer (chat template) beside its checkpoints.
 
+    Args:
+        run: ``(cfg, progress) -> StageResult``.
+        data: the dotted key of the data that makes the stage part of a run (default
+            ``<name>.data``); its value's ``given`` says whether it is set.
+        windows: it trains on windows of ``<name>.train.sequence_length`` (False: RL, whose
+            windows are its prompts and ``max_new_tokens``).
+    """
+    data = data or f"{name}.data"
 
-def _stage(name: str, run, help: str, headline: tuple[str, ...]) -> Stage:
-    return Stage(name, run, (name, "seed", "tokenizer.implementation"),
-                 tuple(s for s in MODEL_STAGES[:MODEL_STAGES.index(name)]), headline, help=help,
-                 ignore=tuple(f"{name}.train.{k}" for k in TRAIN_BOOKKEEPING_KEYS),
-                 stamp=base_stamp(name), enabled=lambda cfg: stage_enabled(cfg, name),
-                 trains=Trains(resume_key=f"{name}.train.checkpoint.resume_from"))
+    def enabled(cfg: RunConfig) -> bool:
+        node: Any = cfg
+        for part in data.split("."):
+            node = getattr(node, part)
+        return bool(node.given)
+
+    return Stage(name, run, (name, "seed", "tokenizer.implementation"), (), headline, help=help,
+                 ignore=bookkeeping_keys(f"{name}.train"), stamp=base_stamp(name),
+                 enabled=enabled, trains=Trains(resume_key=f"{name}.train.checkpoint.resume_from"),
+                 makes=Makes(sequence_length=f"{name}.train.sequence_length" if windows else None,
+                             data=data, own_tokenizer=True),
+                 reads=PREVIOUS_MODEL)
 
 
 def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
@@ -416,9 +424,13 @@ def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
                      {"prompts": len(train_prompts), "heldout_prompts": len(heldout)})
 
 
-SFT = _stage("sft", run_sft, "supervised fine-tuning on conversations (sft.data)",
-             ("examples", "steps", "final_loss"))
-DPO = _stage("dpo", run_dpo, "preference tuning (DPO, length-normalized DPO, SimPO) on dpo.data",
-             ("pairs", "steps", "final_loss"))
-RL = _stage("rl", run_rl, "RL with verifiable rewards (GRPO) on rl.prompts",
-            ("prompts", "steps", "final_loss"))
+#: the post-training stages, in chain order: a new objective is its module (with its config
+#: section), its section in :class:`~olmoflow.pipeline.config.RunConfig` and one row here.
+POSTTRAIN = (
+    posttrain_stage("sft", run_sft, "supervised fine-tuning on conversations (sft.data)",
+                    ("examples", "steps", "final_loss")),
+    posttrain_stage("dpo", run_dpo, "preference tuning (DPO, length-normalized DPO, SimPO) on "
+                    "dpo.data", ("pairs", "steps", "final_loss")),
+    posttrain_stage("rl", run_rl, "RL with verifiable rewards (GRPO) on rl.prompts",
+                    ("prompts", "steps", "final_loss"), data="rl.prompts", windows=False),
+)

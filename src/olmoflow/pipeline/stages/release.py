@@ -11,24 +11,21 @@ from typing import Any
 
 from olmoflow.artifacts import StageResult, read_manifest
 from olmoflow.pipeline.config import RunConfig, dump_config
-from olmoflow.pipeline.stage import Stage
+from olmoflow.pipeline.models import final_model_stage, first_model_stage, model_chain
+from olmoflow.pipeline.stage import FINAL_MODEL, Stage, flow
 from olmoflow.pipeline.stages.common import (
-    MODEL_STAGES,
     data_dirs,
     final_tokenizer_dir,
     load_trained_model,
     model_inputs,
     need,
     stage_dir,
-    stage_enabled,
     stage_tokenizer,
     token_dirs,
 )
-from olmoflow.pipeline.stages.eval import REPORT
+from olmoflow.pipeline.stages.eval import EVALUATE, REPORT
 from olmoflow.run_dir import RunDir
 
-#: the stages whose manifests the data manifest of a run that made its own tokens holds.
-DATA_STAGES = ("collect", "clean", "train-tokenizer", "tokenize")
 # What a data stage's manifest contributes to the release's data manifest.
 _MANIFEST_KEYS = ("fingerprint", "config", "inputs", "outputs", "counts", "started", "finished")
 
@@ -43,15 +40,17 @@ def data_manifest(cfg: RunConfig) -> dict[str, Any]:
 
     ``lineage``: for each tokens directory the model trained on, the chain of manifests back to
     every raw source file with its sha256 (:func:`olmoflow.data.lineage.data_lineage`); for a run
-    that made its own tokens also, keyed by stage, the manifests of its data stages (collect,
-    clean, train-tokenizer, tokenize: configs, inputs and outputs with sha256, counts).
+    that made its own tokens also, keyed by stage, the manifests of its data stages (the stages
+    the pretrained model is made from: collect, clean, train-tokenizer, tokenize; configs, inputs
+    and outputs with sha256, counts).
     """
     from olmoflow.data.lineage import data_lineage
 
     out: dict[str, Any] = {}
     if not data_dirs(cfg):
         runs = RunDir(cfg.run_dir)
-        found = {s: read_manifest(runs.stage(s)) for s in DATA_STAGES}
+        found = {s: read_manifest(runs.stage(s))
+                 for s in flow().ancestors(first_model_stage(cfg))}
         out = {s: {k: m[k] for k in _MANIFEST_KEYS if k in m} for s, m in found.items() if m}
     out["lineage"] = [data_lineage(d) for d in trained_on(cfg)]
     return out
@@ -99,9 +98,7 @@ def posttraining_entries(cfg: RunConfig) -> list[dict[str, Any]]:
     started, on what data, for how many steps, to which loss (from its manifest), and its log."""
     runs = RunDir(cfg.run_dir)
     out = []
-    for stage in MODEL_STAGES[1:]:
-        if not stage_enabled(cfg, stage):
-            continue
+    for stage in [s.name for s in model_chain(cfg)[1:]]:
         counts = (read_manifest(runs.stage(stage)) or {}).get("counts", {})
         section = getattr(cfg, stage)
         data = getattr(section, "data", None)
@@ -115,24 +112,27 @@ def posttraining_entries(cfg: RunConfig) -> list[dict[str, Any]]:
 
 
 def run_release(cfg: RunConfig, progress: bool) -> StageResult:
-    """Bundle the final checkpoint of pretraining with everything that made it."""
+    """Bundle the model the run ends with (:func:`final_model_stage`) with everything that made
+    it: the training log of the pretrained model, every stage of the chain's checkpoints."""
     from olmoflow.release.bundle import build_release
 
-    model, tok, ckpt = load_trained_model(cfg)
+    final = final_model_stage(cfg)
+    model, tok, ckpt = load_trained_model(cfg, final)
     manifest = data_manifest(cfg)
     posttraining = posttraining_entries(cfg)
     result = build_release(
-        cfg.release, model, tok, stage_dir(cfg, "release"), runs=RunDir(cfg.run_dir),
-        training_stage="pretrain", checkpoint=ckpt, tokenizer_dir=final_tokenizer_dir(cfg),
-        eval_report=need(cfg, "evaluate", REPORT), data_manifest=manifest,
+        cfg.release, model, tok, stage_dir(cfg, RELEASE.name), runs=RunDir(cfg.run_dir),
+        training_stage=first_model_stage(cfg), checkpoint=ckpt,
+        tokenizer_dir=final_tokenizer_dir(cfg, final),
+        eval_report=need(cfg, EVALUATE.name, REPORT), data_manifest=manifest,
         data_summary=data_summary(cfg, manifest), config_yaml=dump_config(cfg),
         posttraining=posttraining, stage_tokenizers={
-            stage: (stage_tokenizer(cfg, stage), final_tokenizer_dir(cfg, stage))
-            for stage in ["pretrain", *(p["stage"] for p in posttraining)]})
-    result.inputs = model_inputs(cfg, ckpt) + result.inputs
+            s.name: (stage_tokenizer(cfg, s.name), final_tokenizer_dir(cfg, s.name))
+            for s in model_chain(cfg)})
+    result.inputs = model_inputs(cfg, ckpt, final) + result.inputs
     return result
 
 
-RELEASE = Stage("release", run_release, ("release",), (*MODEL_STAGES, "evaluate"),
-                ("files", "digest"),
-                help="bundle the release: weights, logs, eval, data manifest, model card")
+RELEASE = Stage("release", run_release, ("release",), (EVALUATE.name,), ("files", "digest"),
+                help="bundle the release: weights, logs, eval, data manifest, model card",
+                reads=FINAL_MODEL)

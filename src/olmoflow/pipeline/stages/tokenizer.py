@@ -18,4 +18,4 @@ def run_train_tokenizer(cfg: RunConfig, progress: bool) -> StageResult:
 
 TRAIN_TOKENIZER = Stage("train-tokenizer", run_train_tokenizer, ("tokenizer",), ("clean",),
                         ("vocab_size", "bytes_per_token"), help="train the BPE tokenizer",
-                        enabled=own_data)
+                        enabled=own_data, directory="tokenizer")

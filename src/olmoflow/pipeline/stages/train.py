@@ -6,7 +6,7 @@ from pathlib import Path
 
 from olmoflow.artifacts import StageResult, data_files
 from olmoflow.pipeline.config import RunConfig, dump_config
-from olmoflow.pipeline.stage import Stage, Trains
+from olmoflow.pipeline.stage import Makes, Stage, Trains
 from olmoflow.pipeline.stages.common import (
     build_model,
     load_tokenizer,
@@ -15,7 +15,7 @@ from olmoflow.pipeline.stages.common import (
     token_split,
 )
 from olmoflow.pipeline.stages.eval import in_loop_callback
-from olmoflow.train.config import LAYOUT_KEYS
+from olmoflow.train.config import bookkeeping_keys
 
 
 def pretrain_loader(cfg: RunConfig, tok):
@@ -79,16 +79,12 @@ def run_pretrain(cfg: RunConfig, progress: bool) -> StageResult:
     return StageResult(inputs=paths, outputs=outputs, counts=counts)
 
 
-# train.* keys that change how a run is kept, logged or scheduled on the machine, not the weights it
-# makes: changing one resumes an interrupted run (and leaves a complete one complete) instead of
-# deleting its checkpoints and training again from step 0.
-TRAIN_BOOKKEEPING = tuple(f"train.{k}" for k in (
-    "checkpoint.resume_from", "checkpoint.save_interval", "checkpoint.keep_every",
-    "checkpoint.keep_last", "num_threads", "log.interval", "log.detailed_interval", "log.loggers",
-    *LAYOUT_KEYS))
+#: the pretraining stage's bookkeeping keys (see :data:`olmoflow.train.config.BOOKKEEPING_KEYS`).
+TRAIN_BOOKKEEPING = bookkeeping_keys("train")
 
 PRETRAIN = Stage("pretrain", run_pretrain, ("model", "train", "seed"), ("tokenize",),
                  ("parameters", "steps", "tokens", "final_loss", "packing_efficiency"),
                  help="pretrain the model", ignore=TRAIN_BOOKKEEPING, stamp=token_data_stamp,
                  trains=Trains(resume_key="train.checkpoint.resume_from",
-                               resume_alias="resume_from"))
+                               resume_alias="resume_from"),
+                 makes=Makes(sequence_length="train.sequence_length"))
