@@ -206,23 +206,28 @@ def test_invalid_utf8(tmp_path):
         run(tmp_path, str(tmp_path / "bad.txt"), strict=True)
 
 
-def test_truncated_gz_keeps_documents_before_damage(tmp_path, caplog):
+def test_truncated_gz_keeps_the_whole_members_before_the_damage(tmp_path, caplog):
     rows = [{"id": str(i), "text": f"document {i} " + "word " * (i % 17)} for i in range(200)]
-    whole = write_jsonl(tmp_path / "whole.jsonl.gz", rows, gz=True).read_bytes()
+    members = [gzip.compress("".join(json.dumps(r) + "\n" for r in rows[i:i + 40]).encode())
+               for i in range(0, len(rows), 40)]
+    whole = b"".join(members)
+    ends = [sum(len(m) for m in members[:k]) for k in range(len(members) + 1)]
     cut = tmp_path / "cut.jsonl.gz"
     kept_any = False
-    # Every cut point (a stride keeps the test fast) keeps an exact prefix of the documents:
-    # never a partial last line, never a document after the damage.
+    # Every cut point (a stride keeps the test fast) keeps exactly the members that end before
+    # it: never a line of the cut member (its checksum is gone), never a partial last line.
     for n in range(20, len(whole), max(1, len(whole) // 60)):
         cut.write_bytes(whole[:n])
+        whole_members = max(k for k, end in enumerate(ends) if end <= n)
         with caplog.at_level(logging.WARNING, logger="olmoflow.data"):
             try:
                 docs, counts = run(tmp_path, str(cut))
-            except OlmoflowError as e:  # cut before the first complete line
+            except OlmoflowError as e:  # cut inside the first member
+                assert whole_members == 0
                 assert "no documents collected" in str(e) and "1 damaged" in str(e)
                 continue
-        assert counts["damaged_files"] == 1 and 0 < len(docs) < len(rows)
-        expected = [(r["id"], r["text"]) for r in rows[: len(docs)]]
+        assert counts["damaged_files"] == (0 if n in ends else 1)
+        expected = [(r["id"], r["text"]) for r in rows[: 40 * whole_members]]
         assert [(d["id"], d["text"]) for d in docs] == expected
         kept_any = True
     assert kept_any and "cut.jsonl.gz" in caplog.text

@@ -14,7 +14,7 @@ import os
 import re
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -83,12 +83,15 @@ class ReadLog:
     ``errors[kind]`` is ``{"count", "examples"}``, the examples (the first few) as
     ``"file:line: reason"``. ``removed[kind]`` is ``{"documents", "bytes"}`` for records that were
     not kept (bytes: UTF-8 bytes of the record as read). ``files`` lists every file opened.
+    ``unverified`` names each file whose documents were kept without a checksum to check them
+    against (zstd frames written without one), once, as ``"file: reason"``; not an error.
     """
 
     strict: bool = False
     errors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     removed: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     files: list[Path] = dataclasses.field(default_factory=list)
+    unverified: list[str] = dataclasses.field(default_factory=list)
     _warned: Counter = dataclasses.field(default_factory=Counter)
 
     def bad(self, kind: str, where: str, reason: str, nbytes: int = 0, documents: int = 1) -> None:
@@ -109,6 +112,14 @@ class ReadLog:
         self._warned[file] += 1
         if self._warned[file] <= _MAX_WARNINGS_PER_FILE:
             log.warning("%s: %s%s", where, reason, " (skipped)" if documents else "")
+
+    def unverifiable(self, file: str, reason: str) -> None:
+        """Note once that ``file``'s documents could not be checked (``reason``), with a
+        warning; the documents are kept and ``strict`` does not raise."""
+        entry = f"{file}: {reason}"
+        if entry not in self.unverified:
+            self.unverified.append(entry)
+            log.warning("%s (kept, unverified)", entry)
 
     def skip(self, kind: str, nbytes: int, documents: int = 1) -> None:
         """Count ``documents`` records of ``nbytes`` bytes not kept for reason ``kind``."""
@@ -175,37 +186,123 @@ def file_format(path: str | os.PathLike) -> str | None:
 # --- decompression ----------------------------------------------------------------------------
 
 
-class _ZstdRaw(io.RawIOBase):
-    """A raw stream of zstd-decompressed bytes that, unlike ``zstandard``'s own stream reader,
-    raises ``EOFError`` when the input ends inside a frame (a truncated file). Multi-frame files
-    (pzstd, concatenated shards) are read across frames."""
+#: A gzip member or zstd frame whose decompressed size stays within this is held in memory until
+#: it has been decoded to its end (and its checksum passed), then handed out: decoded once. A
+#: larger one is decoded to its end first with its output dropped, then decoded again from its
+#: start to hand its bytes out: twice the decompression, but memory stays within this bound for a
+#: file of any size, and no byte of a member reaches a reader before the member is known good.
+#: Holding parsed documents instead would cost several times the bytes and no less time; files of
+#: many small members (bgzip blocks, pzstd frames, WARC's one member per record) pay once.
+_HOLD_BYTES = 32 << 20
+#: Input fed to the zstd decoder at a time: its output per call is bounded by what this holds.
+_ZSTD_FEED = 1 << 16
 
-    def __init__(self, f: IO[bytes]):
+
+class _CheckedStream(io.RawIOBase):
+    """The decompressed bytes of a gzip or zstd file, one member (gzip) or frame (zstd) at a time,
+    each handed out only once the whole member has been decoded and its checksum passed.
+
+    gzip keeps a CRC-32 and the length at the end of each member, zstd an optional checksum at the
+    end of each frame; a decoder that streams (as :class:`gzip.GzipFile` does) hands out a
+    member's bytes before reaching them, so a flipped bit reached readers as wrong text. Here
+    damage anywhere in a member (a checksum that fails, an invalid block, a file that ends inside
+    it) raises before any of the member's bytes are read: the members before it come through
+    whole, nothing of it or after it does. A truncated member counts as damaged too: its checksum
+    is missing, and a flipped length or block bit can look just like a cut file.
+
+    A zstd frame written without a checksum (python-zstandard's default; the ``zstd`` tool writes
+    one) cannot be verified: ``unverified(reason)`` is called once per file when one holds data.
+    Damage its decoder detects still drops the frame. Needs a seekable file (see
+    :data:`_HOLD_BYTES`).
+    """
+
+    def __init__(self, f: IO[bytes], codec: str, unverified: Callable[[str], None] | None = None):
         self._f = f
-        self._dctx = _need("zstandard", "reading .zst files").ZstdDecompressor()
-        self._obj = None
-        self._pending = b""
+        self._codec = codec
+        self._unverified = unverified
+        if codec == "zstd":
+            self._zstd = _need("zstandard", "reading .zst files")
+            self._dctx = self._zstd.ZstdDecompressor()
+        self._chunks = self._verified()
         self._out = memoryview(b"")
+        self._end = 0
+        self._checked = True
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
         while not self._out:
-            chunk, self._pending = (self._pending or self._f.read(_CHUNK)), b""
-            if not chunk:
-                if self._obj is not None:
-                    raise EOFError("zstd file ended inside a frame (truncated)")
+            chunk = next(self._chunks, None)
+            if chunk is None:
                 return 0
-            if self._obj is None:
-                self._obj = self._dctx.decompressobj()
-            self._out = memoryview(self._obj.decompress(chunk))
-            if self._obj.eof:
-                self._pending, self._obj = self._obj.unused_data, None
+            self._out = memoryview(chunk)
         n = min(len(b), len(self._out))
         b[:n] = self._out[:n]
         self._out = self._out[n:]
         return n
+
+    def _verified(self) -> Iterator[bytes]:
+        start, noted = 0, False
+        while True:
+            self._f.seek(start)
+            if not self._f.read(1):
+                return  # the end of the file, between members
+            held: list[bytes] | None = []
+            size = 0
+            for piece in self._decode(start):
+                size += len(piece)
+                if held is not None:
+                    held.append(piece)
+                    if size > _HOLD_BYTES:
+                        held = None  # too large to hold: decode it again once it checked out
+            end = self._end
+            if size and not self._checked and not noted and self._unverified is not None:
+                noted = True
+                self._unverified("zstd frames without a content checksum: their documents "
+                                 "could not be verified against damage")
+            yield from held if held is not None else self._decode(start)
+            start = end
+
+    def _decode(self, start: int) -> Iterator[bytes]:
+        """The decompressed bytes of the member at compressed offset ``start``, in pieces; sets
+        ``_end`` (the offset after it) and ``_checked`` (whether it carried a checksum) once it
+        ended. Raises the decoder's error, or EOFError when the file ends inside it."""
+        f = self._f
+        f.seek(start)
+        fed = 0
+        if self._codec == "gzip":
+            dec = zlib.decompressobj(wbits=31)  # gzip framing: zlib checks CRC-32 and length
+            self._checked = True
+            while not dec.eof:
+                data = f.read(_CHUNK)
+                if not data:
+                    raise EOFError("gzip file ended inside a member (truncated)")
+                fed += len(data)
+                while data and not dec.eof:
+                    out = dec.decompress(data, _CHUNK)  # bounded output: a zip bomb stays small
+                    data = dec.unconsumed_tail
+                    if out:
+                        yield out
+        else:
+            dec = self._dctx.decompressobj()
+            head = f.read(_CHUNK)
+            try:
+                self._checked = bool(self._zstd.get_frame_parameters(head).has_checksum)
+            except self._zstd.ZstdError:
+                self._checked = False  # an unreadable header: decoding it below raises
+            data = head
+            while not dec.eof:
+                if not data:
+                    data = f.read(_CHUNK)
+                    if not data:
+                        raise EOFError("zstd file ended inside a frame (truncated)")
+                piece, data = data[:_ZSTD_FEED], data[_ZSTD_FEED:]
+                fed += len(piece)
+                out = dec.decompress(piece)
+                if out:
+                    yield out
+        self._end = start + fed - len(dec.unused_data)
 
 
 class _Read1:
@@ -227,11 +324,15 @@ class _Read1:
 
 
 @contextlib.contextmanager
-def open_binary(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+def open_binary(path: str | os.PathLike,
+                unverified: Callable[[str], None] | None = None) -> Iterator[IO[bytes]]:
     """Open a file for binary reading, decompressing ``.gz`` and ``.zst``/``.zstd`` by name.
 
-    Damage surfaces while reading: ``EOFError`` (truncated), ``gzip.BadGzipFile``, ``zlib.error``
-    or ``zstandard.ZstdError`` (corrupt). Raises OlmoflowError when the file cannot be opened.
+    A compressed file's bytes come one whole, checked member (gzip) or frame (zstd) at a time
+    (:class:`_CheckedStream`): damage surfaces while reading, before any byte of the damaged
+    member, as ``EOFError`` (truncated), ``zlib.error`` or ``zstandard.ZstdError`` (corrupt; a
+    failed checksum). ``unverified(reason)`` is called once when a zstd frame has no checksum.
+    Raises OlmoflowError when the file cannot be opened.
     """
     name = os.fspath(path).lower()
     try:
@@ -240,10 +341,9 @@ def open_binary(path: str | os.PathLike) -> Iterator[IO[bytes]]:
         raise OlmoflowError(f"cannot read '{path}': {e.strerror or e}") from None
     with raw:
         if name.endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield f
+            yield io.BufferedReader(_CheckedStream(raw, "gzip"), buffer_size=_CHUNK)
         elif name.endswith((".zst", ".zstd")):
-            yield io.BufferedReader(_ZstdRaw(raw), buffer_size=_CHUNK)
+            yield io.BufferedReader(_CheckedStream(raw, "zstd", unverified), buffer_size=_CHUNK)
         else:
             yield raw
 

@@ -27,12 +27,15 @@ malformed record, over-large document or empty file is counted by kind in a :cla
 with ``file:line`` examples and logged; with ``strict`` the first one raises
 :class:`~olmoflow.errors.OlmoflowError` naming the file and line. The kinds: ``damaged_file``
 (truncated or corrupt gzip, zstd, Parquet or WARC: the documents before the damage are kept;
-a gzip CRC failure, found only at the end of a member, keeps that member's documents and the
-message says they are unverified),
+of a compressed file, those of the gzip members or zstd frames before the damaged one, each
+checked whole, checksum included, before any of its lines is read, so no document of a damaged
+member is kept),
 ``empty_file``, ``invalid_utf8``, ``not_json``, ``not_object``, ``missing_text``,
 ``text_not_string``, ``too_large`` (over ``max_document_bytes``) and, from ingest,
-``unsupported_file``. WARC records that are not documents (non-2xx, not text, no text left after
-extraction) are counted as removed (``http_status``, ``not_text``, ``no_text``) but are not errors.
+``unsupported_file``. A zstd file with frames written without a content checksum is read but
+named once in :attr:`ReadLog.unverified` (and logged): damage in it may go unseen. WARC
+records that are not documents (non-2xx, not text, no text left after extraction) are counted
+as removed (``http_status``, ``not_text``, ``no_text``) but are not errors.
 WARC text is extracted from HTML with Resiliparse (main content, as in DCLM), or trafilatura on
 request (:mod:`olmoflow.data.warc`).
 """
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
-import gzip
 import logging
 import os
 import re
@@ -132,20 +134,17 @@ _REASON_KIND = (
 
 
 def _damage_message(path: str, e: BaseException, kept: int, lines: int) -> str:
-    """What a damaged compressed file cost, saying exactly which documents were kept.
-
-    gzip checks its CRC (and length) only at the end of a member, after every line of it was
-    decoded and passed on: those documents are kept but unverified, and the message says so.
-    Other damage (a truncated file, an invalid deflate or zstd block) stops decoding where it is
-    found; the message names the documents read before that point.
-    """
-    first = _first_line(e)
-    span = f"the {kept} documents of lines 1-{lines}" if lines else "no documents"
-    if isinstance(e, gzip.BadGzipFile) and ("CRC check failed" in first
-                                            or "Incorrect length" in first):
-        return (f"damaged gzip data ({first}); kept {span}, decoded before the checksum at the "
-                "end of the member could be checked, so some of them may be corrupt")
-    return f"damaged {_damage_kind(path)} data ({first}); kept {span} before it"
+    """What a damaged compressed file cost, saying exactly which documents were kept: those of
+    the members (gzip) or frames (zstd) before the damaged one, each decoded whole and checked
+    before any of its lines was read (:func:`open_binary`); nothing of the damaged one, whose
+    lines may be wrong text, nor of anything after it."""
+    kind = _damage_kind(path)
+    unit = "frame" if kind == "zstd" else "member"
+    what = f"damaged {kind} data ({_first_line(e)})"
+    if not lines:
+        return f"{what}; kept no documents: the damage is in the file's first {unit}"
+    return (f"{what}; kept the {kept} documents of lines 1-{lines}, those of the {unit}s before "
+            f"the damaged {unit}, and nothing from it on")
 
 
 def read_jsonl(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, Any]]:
@@ -158,7 +157,7 @@ def read_jsonl(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str,
     rl.files.append(Path(path))
     lineno, records, kept = 0, 0, 0
     try:
-        with open_binary(path) as f:
+        with open_binary(path, lambda why: rl.unverifiable(path, why)) as f:
             while True:
                 # A line cut by damage is never returned: readline raises before returning it.
                 raw, size = _read_line(f, opts.max_document_bytes)

@@ -156,6 +156,11 @@ def format_report(manifests: dict[str, dict[str, Any]]) -> str:
         for step, n, examples in bad_input:
             out.append(f"{step}: {n:,} in all")
             out += [f"  {e}" for e in examples]
+    unverifiable = [(step, u) for step, m in manifests.items()
+                    for u in m["counts"].get("unverifiable") or []]
+    if unverifiable:
+        out += ["", "Unverifiable input (kept: no checksum to check it against damage)"]
+        out += [f"{step}: {u}" for step, u in unverifiable]
     bad = check_accounting(manifests)
     out += ["", "Accounting: every dropped document is explained by a rule" if not bad
             else "Accounting: NOT explained:\n  " + "\n  ".join(bad)]

@@ -297,9 +297,10 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
     corrupt compression), ``empty_files``, ``errors`` (count by kind), ``error_examples``
     (``file:line: reason``), ``removed`` (records not kept, by kind), ``skipped_symlinks``
     (links in a source directory that lead outside it, not followed unless
-    ``cfg.follow_symlinks``; one warning names the first), and ``python_version`` when stdlib is
-    a source. ``inputs`` lists every file read (user files and stdlib sources) by its real path,
-    links resolved.
+    ``cfg.follow_symlinks``; one warning names the first), ``unverifiable`` (each file read
+    whose documents had no checksum to be checked against, once, as ``"file: reason"``: zstd
+    frames written without one), and ``python_version`` when stdlib is a source. ``inputs``
+    lists every file read (user files and stdlib sources) by its real path, links resolved.
 
     Raises:
         OlmoflowError: no sources, a source that matches nothing or has an unsupported type, an
@@ -333,6 +334,7 @@ def collect(cfg: CollectConfig, out_dir: Path, progress: bool = True) -> StageRe
         "errors": rl.error_counts(), "error_examples": rl.error_examples(),
         "removed": dict(sorted(rl.removed.items())),
         "skipped_symlinks": len(links),
+        "unverifiable": list(rl.unverified),
     }
     if tally["documents"] == 0:
         out.unlink(missing_ok=True)
@@ -438,13 +440,16 @@ def ingest_shard(task: dict[str, Any]) -> dict[str, Any]:
     ``max_shard_bytes``).
 
     Returns the stats ``{"input", "source", "documents_in", "documents_out", "bytes_in",
-    "bytes_out", "removed", "errors", "error_counts", "outputs", "files", "input_bytes"}``:
+    "bytes_out", "removed", "errors", "error_counts", "outputs", "unverifiable", "files",
+    "input_bytes"}``:
     ``documents_in = documents_out + sum(removed documents)`` and likewise for bytes (text bytes
     for documents kept, bytes as read for records removed), so nothing goes unaccounted;
     ``errors`` are ``"file:line: reason"`` examples (the first few of each kind) and
     ``error_counts`` counts bad input by kind (including file-level kinds such as
     ``damaged_file`` and ``empty_file``); ``outputs`` are the shard paths written (at least one,
-    maybe empty), in order. Output bytes are deterministic (gzip mtime 0).
+    maybe empty), in order; ``unverifiable`` names the input, once, when its documents had no
+    checksum to be checked against (zstd frames written without one). Output bytes are
+    deterministic (gzip mtime 0).
 
     Raises:
         OlmoflowError: an unknown option, an unreadable file, an unusable ``hf://`` source, or
@@ -473,6 +478,7 @@ def ingest_shard(task: dict[str, Any]) -> dict[str, Any]:
         "errors": rl.error_examples(),
         "error_counts": rl.error_counts(),
         "outputs": [str(p) for p in writer.paths],
+        "unverifiable": list(rl.unverified),
         "files": len(rl.files),
         "input_bytes": sum(p.stat().st_size for p in rl.files if p.is_file()),
     }

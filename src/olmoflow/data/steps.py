@@ -222,7 +222,9 @@ def run_ingest(engine: Engine):
                                 if Path(t["input"]).is_file()))
     if not any(r.get("documents_out") for r in results):
         raise OlmoflowError(_no_documents(tasks, results))
-    return _finish(engine, "ingest", tasks, results, shards, inputs)
+    unverifiable = [u for r in results for u in r.get("unverifiable") or []]
+    return _finish(engine, "ingest", tasks, results, shards, inputs,
+                   {"unverifiable": unverifiable})
 
 
 def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) -> str:

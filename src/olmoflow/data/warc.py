@@ -75,7 +75,7 @@ def read_warc(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, 
     rl.files.append(Path(path))
     n = at = 0  # records seen; the record being read when damage shows
     try:
-        with open_binary(path) as f:
+        with open_binary(path, lambda why: rl.unverifiable(path, why)) as f:
             records = iter(ArchiveIterator(_Read1(f), parse_http=True))
             while True:
                 at = n + 1
