@@ -134,6 +134,38 @@ def test_olmoflow_chat_talks_with_the_release(flow, capsys):
     assert "template tulu" in text and "history cleared: 1 exchange" in text
 
 
+def test_the_data_manifest_hashes_every_post_training_stage_data(flow, tmp_path, capsys):
+    import shutil
+
+    run_dir, pairs, _ = flow
+    rel = RunDir(run_dir).stage("release")
+    post = json.loads((rel / "data_manifest.json").read_text())["posttrain"]
+    assert [e["stage"] for e in post] == ["sft", "dpo", "rl"]
+    sft, dpo, rl = post
+    [gen] = sft["files"]  # the instruction pairs the run built
+    assert sft["generated"] == "stdlib_docstrings" and gen["path"].startswith("sft/data/")
+    assert gen["sha256"] == hashlib.sha256((run_dir / gen["path"]).read_bytes()).hexdigest()
+    assert sft["counts"]["examples"] == manifest(run_dir, "sft")["counts"]["examples"] > 0
+    [pair_file] = dpo["files"]
+    assert Path(pair_file["path"]) == pairs.resolve()
+    assert pair_file["sha256"] == hashlib.sha256(pairs.read_bytes()).hexdigest()
+    assert dpo["counts"]["pairs"] == len(PAIRS) and dpo["counts"]["skipped"] == 0
+    assert rl["files"] == [] and rl["generated"] == "arithmetic"
+    assert rl["counts"] == {"prompts": 16, "heldout_prompts": 4}
+    assert main(["verify", str(rel)]) == 0, capsys.readouterr().out
+    # the preference pairs changed after the model was trained on them
+    pairs.write_text(pairs.read_text().replace('"3"', '"4"', 1))
+    try:
+        assert main(["verify", str(rel)]) == 1
+        out = capsys.readouterr().out
+        assert f"source changed since the data was made: {pairs.resolve()}" in out, out
+    finally:
+        pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    copy = tmp_path / "release"  # moved out of its run: the absolute paths are still followed
+    shutil.copytree(rel, copy)
+    assert main(["verify", str(copy)]) == 0, capsys.readouterr().out
+
+
 def test_a_rerun_skips_every_stage(flow, capsys):
     run_dir, pairs, _ = flow
     threads = torch.get_num_threads()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import io
+from pathlib import Path
 from types import SimpleNamespace
+
+import tomllib
 
 from olmoflow.release.card import model_card
 from olmoflow.release.checkpoints import FIELDS, checkpoints_table, kept_checkpoints
@@ -66,3 +69,27 @@ def test_model_card_shows_the_model_the_data_and_the_evaluation(tmp_path):
     assert f'Olmo.from_pretrained("{tmp_path / "release"}")' in card
     unknown = model_card(ReleaseConfig(), model, report={}, data={}, release_dir=tmp_path)
     assert "? documents collected" in unknown and "| loss (nats/token) | nan |" in unknown
+
+
+def _card(tmp_path) -> str:
+    mc = SimpleNamespace(sliding_window=None, full_attention_every=4, d_model=64, n_layers=2,
+                         n_heads=4, n_kv_heads=2, mlp_hidden=128, vocab_size=512, rope_theta=5e5)
+    model = SimpleNamespace(config=mc, num_params=lambda: 1000)
+    return model_card(ReleaseConfig(), model, report={}, data={}, release_dir=tmp_path)
+
+
+def test_model_card_links_the_project_url_of_pyproject_or_none(tmp_path, monkeypatch):
+    from olmoflow.release import card
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    urls = tomllib.loads(pyproject.read_text())["project"].get("urls", {})
+    want = next((v for k, v in urls.items() if k.lower() in card.URL_KEYS), None)
+    assert card.project_url() == want  # this checkout's own pyproject.toml
+    text = _card(tmp_path)
+    assert "](https://github.com/)" not in text  # never a placeholder link
+    if want is None:
+        assert "trained with\nolmoflow from raw text" in text
+    monkeypatch.setattr(card, "project_url", lambda: "https://example.org/olmoflow")
+    assert "[olmoflow](https://example.org/olmoflow) from raw text" in _card(tmp_path)
+    monkeypatch.setattr(card, "project_url", lambda: None)
+    assert "trained with\nolmoflow from raw text" in _card(tmp_path)

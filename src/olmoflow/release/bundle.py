@@ -6,10 +6,11 @@ Layout (DESIGN.md, "Formats"): ``config.json``, ``model.safetensors``, ``generat
 ``heatmap.png``, ``curves.png``), ``posttrain/<stage>/training_log.jsonl``, ``checkpoints/<name>/``
 (every kept checkpoint of every training stage in Hugging Face layout) and ``checkpoints.csv``
 (:mod:`olmoflow.release.checkpoints`), ``data_manifest.json`` (the manifests of the data back to
-the raw sources), ``config.yaml``, the environment (``environment.json``, ``environment.txt``,
-``requirements.lock``, ``Dockerfile``: :mod:`olmoflow.release.environment`), a ``README.md``
-model card, and last ``files.json``, the sha256 of every other file (``olmoflow verify``), whose
-own sha256 is the release digest the card states (:mod:`olmoflow.release.index`).
+the raw sources, and each post-training stage's data files), ``config.yaml``, the environment
+(``environment.json``, ``environment.txt``, ``requirements.lock``, ``Dockerfile``:
+:mod:`olmoflow.release.environment`), a ``README.md`` model card, and last ``files.json``, the
+sha256 of every other file (``olmoflow verify``), whose own sha256 is the release digest the card
+states (:mod:`olmoflow.release.index`).
 
 The bundle takes its own config section and the files it copies; which run directory and stages
 they come from is the pipeline's business (``olmoflow.pipeline.stages.release``).

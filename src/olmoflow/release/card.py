@@ -8,6 +8,34 @@ from typing import Any
 from olmoflow.release.config import ReleaseConfig
 from olmoflow.release.index import PLACEHOLDER, digest_line
 
+#: the ``[project.urls]`` keys taken as the project's page, in order of preference.
+URL_KEYS = ("repository", "source", "homepage")
+
+
+def project_url() -> str | None:
+    """The project's URL as ``pyproject.toml`` gives it (``[project.urls]``: Repository, Source or
+    Homepage): from the source checkout's ``pyproject.toml`` when olmoflow runs from one, else
+    from the installed package's metadata; None when neither names one (the card then names
+    olmoflow without a link)."""
+    urls: dict[str, str] = {}
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    try:
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        if project.get("name") == "olmoflow":
+            urls = {k.lower(): v for k, v in (project.get("urls") or {}).items()}
+    except (ImportError, OSError, ValueError):  # Python 3.10, an installed package
+        from importlib import metadata
+
+        try:
+            for entry in metadata.metadata("olmoflow").get_all("Project-URL") or []:
+                key, _, value = entry.partition(",")
+                urls[key.strip().lower()] = value.strip()
+        except metadata.PackageNotFoundError:
+            pass
+    return next((urls[k] for k in URL_KEYS if urls.get(k)), None)
+
 
 def _fmt(v: Any, digits: int = 4) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else ("n/a" if v is None else str(v))
@@ -61,6 +89,8 @@ def model_card(cfg: ReleaseConfig, model, *, report: dict[str, Any], data: dict[
         environment: the ``environment.json`` record; none: no section.
     """
     mc = model.config
+    url = project_url()
+    olmoflow = f"[olmoflow]({url})" if url else "olmoflow"
     arch = "OLMo 3" if mc.sliding_window else "OLMo 2"
     window = (f"{mc.sliding_window or 'none'} (full attention every "
               f"{mc.full_attention_every}th and the last layer)")
@@ -73,8 +103,9 @@ tags: [olmo, olmoflow]
 # {cfg.name}
 
 A {model.num_params() / 1e6:.1f}M-parameter {arch}-architecture language model trained with
-[olmoflow](https://github.com/) from raw text to this directory. Every file here is traceable:
-`data_manifest.json` follows the data back to its sources, `config.yaml` is the resolved config,
+{olmoflow} from raw text to this directory. Every file here is traceable:
+`data_manifest.json` follows the data back to its sources (and lists each post-training stage's
+data files with their sha256), `config.yaml` is the resolved config,
 `training_log.jsonl` the metrics of every logged step, `eval/report.json` the held-out evaluation.
 
 ## Model

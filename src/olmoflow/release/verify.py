@@ -66,7 +66,8 @@ class VerifyReport:
 def _recorded_files(manifest: dict[str, Any], root: Path | None) -> dict[Path, str]:
     """Every file the data manifest records with a sha256, by path: each data stage's inputs
     (paths relative to the run directory ``root``) and outputs (relative to the stage's own
-    directory), and the lineage's steps and raw files (absolute). Relative paths are dropped when
+    directory), the lineage's steps and raw files (absolute), and the post-training stages' data
+    files (relative to ``root``, or absolute). Relative paths are dropped when
     the run directory is unknown (a release copied out of its run)."""
     from olmoflow.run_dir import RunDir
 
@@ -83,7 +84,7 @@ def _recorded_files(manifest: dict[str, Any], root: Path | None) -> dict[Path, s
         found.setdefault(p, sha)
 
     for stage, m in manifest.items():
-        if stage == "lineage" or not isinstance(m, dict):
+        if stage in ("lineage", "posttrain") or not isinstance(m, dict):
             continue
         stage_dir = RunDir(root).stage(stage) if root is not None else None
         for rec in m.get("inputs") or []:
@@ -99,6 +100,9 @@ def _recorded_files(manifest: dict[str, Any], root: Path | None) -> dict[Path, s
                 add(rec.get("path"), rec.get("sha256"), d)
         for rec in lineage.get("raw_files") or []:
             add(rec.get("path"), rec.get("sha256"), None)
+    for entry in manifest.get("posttrain") or []:
+        for rec in (entry.get("files") or []) if isinstance(entry, dict) else []:
+            add(rec.get("path"), rec.get("sha256"), root)
     return found
 
 

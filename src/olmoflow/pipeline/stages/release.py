@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from olmoflow.artifacts import StageResult, read_manifest
+from olmoflow.artifacts import StageResult, file_record, read_manifest
+from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.models import final_model_stage, first_model_stage, model_chain
 from olmoflow.pipeline.stage import FINAL_MODEL, Stage, flow
@@ -28,6 +29,9 @@ from olmoflow.run_dir import RunDir
 
 # What a data stage's manifest contributes to the release's data manifest.
 _MANIFEST_KEYS = ("fingerprint", "config", "inputs", "outputs", "counts", "started", "finished")
+# What a post-training stage's manifest counts of its data (and any "skipped_*" reason).
+_DATA_COUNTS = ("examples", "pairs", "prompts", "heldout_prompts", "rows", "skipped", "truncated",
+                "dropped")
 
 
 def trained_on(cfg: RunConfig) -> list[Path]:
@@ -43,6 +47,7 @@ def data_manifest(cfg: RunConfig) -> dict[str, Any]:
     that made its own tokens also, keyed by stage, the manifests of its data stages (the stages
     the pretrained model is made from: collect, clean, train-tokenizer, tokenize; configs, inputs
     and outputs with sha256, counts).
+    ``posttrain``: the data each post-training stage read (:func:`posttrain_data`).
     """
     from olmoflow.data.lineage import data_lineage
 
@@ -53,6 +58,61 @@ def data_manifest(cfg: RunConfig) -> dict[str, Any]:
                  for s in flow().ancestors(first_model_stage(cfg))}
         out = {s: {k: m[k] for k in _MANIFEST_KEYS if k in m} for s, m in found.items() if m}
     out["lineage"] = [data_lineage(d) for d in trained_on(cfg)]
+    out["posttrain"] = posttrain_data(cfg)
+    return out
+
+
+def _stage_data(cfg: RunConfig, stage: str) -> tuple[list[Path], dict[str, Any]]:
+    """``(files, described)``: the data files post-training stage ``stage`` read (as its run
+    function names them) and what it read that is not a file (a generator, processors)."""
+    runs = RunDir(cfg.run_dir)
+    section = getattr(cfg, stage)
+    data = getattr(section, "data", None)
+    if data is None:  # prompts: a file, or generated
+        p = section.prompts
+        return ([Path(p.path)] if p.path else []), ({} if p.path else {"generated": p.source})
+    files = [Path(x) for x in data.paths]
+    described: dict[str, Any] = {}
+    if data.generate:  # built into the stage's directory (pipeline.stages.posttrain)
+        files.append(runs.stage(stage) / "data" / f"{data.generate}.jsonl")
+        described["generated"] = data.generate
+    if data.processors:
+        described["processors"] = data.processors
+    return files, described
+
+
+def posttrain_data(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The data of each enabled post-training stage, in flow order, from its manifest: ``stage``,
+    ``files`` (each data file it read with ``path``, ``bytes`` and ``sha256`` as its manifest
+    recorded them when the stage ran: paths relative to the run directory, or absolute),
+    ``counts`` (examples, pairs or prompts kept, skipped, truncated, dropped) and, for data that
+    is no file, ``generated`` (the generator's name) or ``processors``.
+
+    A data file the manifest does not record (a relative path given from another working
+    directory) is hashed as it is now.
+
+    Raises:
+        OlmoflowError: such a file no longer exists.
+    """
+    runs = RunDir(cfg.run_dir)
+    out = []
+    for stage in [s.name for s in model_chain(cfg)[1:]]:
+        m = read_manifest(runs.stage(stage)) or {}
+        inputs = {(runs.root / r["path"]).resolve(): r for r in m.get("inputs") or []}
+        files, described = _stage_data(cfg, stage)
+        records = []
+        for f in files:
+            rec = inputs.get(f.resolve())
+            if rec is None:
+                if not f.is_file():
+                    raise OlmoflowError(f"{stage}: its data file '{f}' is gone and its manifest "
+                                        f"does not record it; rerun 'olmoflow {stage} --force'")
+                rec = file_record(f, runs.root)
+            records.append({k: rec[k] for k in ("path", "bytes", "sha256")})
+        counts = m.get("counts") or {}
+        out.append({"stage": stage, "files": records, **described,
+                    "counts": {k: v for k, v in counts.items()
+                               if k in _DATA_COUNTS or k.startswith("skipped_")}})
     return out
 
 
