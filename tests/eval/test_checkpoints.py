@@ -1,7 +1,8 @@
 """The evaluate stage across checkpoints: which checkpoints ``evaluate.checkpoints`` names, the
-cache that makes a rerun score only what is new (a task, a checkpoint), the reports it writes, and
-the release that carries them. One tiny pretraining (checkpoints at steps 2, 4 and 6) is shared by
-the module; the tasks are defined here."""
+cache that makes a rerun score only what is new (a task, a checkpoint) and recomputes a damaged
+entry rather than trusting it, the reports it writes, and the release that carries them. One tiny
+pretraining (checkpoints at steps 2, 4 and 6) is shared by the module; the tasks are defined
+here."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ import torch
 
 from olmoflow.artifacts import read_manifest
 from olmoflow.errors import OlmoflowError
-from olmoflow.eval.checkpoints import cache_key, content_hash, select_checkpoints
+from olmoflow.eval.checkpoints import (
+    Checkpoint,
+    ResultCache,
+    cache_key,
+    content_hash,
+    score_checkpoints,
+    select_checkpoints,
+)
 from olmoflow.eval.registry import register_task
-from olmoflow.eval.requests import LoglikelihoodRequest
+from olmoflow.eval.requests import LoglikelihoodRequest, LoglikelihoodResult
 from olmoflow.eval.spec import resolve
 from olmoflow.eval.task import Task
 from olmoflow.pipeline.config import load_config
@@ -198,3 +206,123 @@ def test_a_data_file_edited_in_place_is_scored_again(run, tmp_path):
     key = cache_key(a.content_hash, folder, max_length=64)
     (tmp_path / "more.jsonl").write_text("{}\n")
     assert cache_key(a.content_hash, folder, max_length=64) != key
+
+
+# --- a damaged cache file is recomputed, a missing checkpoint named before any scoring ------------
+
+
+HOSTILE_DOCS = [("1 + 1 =", [" 2", " 3"], 0), ("2 + 2 =", [" 5", " 4"], 1)]
+
+
+@register_task
+class HostileToy(Task):
+    name = "hostile_toy"
+    description = "two fixed questions"
+    source = "written in the test"
+    primary_metric = "acc"
+    chance = 0.5
+
+    def load(self):
+        return list(HOSTILE_DOCS)
+
+    def requests(self, doc):
+        return [LoglikelihoodRequest(doc[0], c) for c in doc[1]]
+
+    def score(self, doc, results):
+        best = max(range(len(results)), key=lambda i: results[i].logprob)
+        return {"acc": float(best == doc[2])}
+
+
+class CountingLM:
+    """Prefers the continuation " 2" or " 4"; counts the requests it scores."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def loglikelihood(self, requests):
+        self.calls += len(requests)
+        return [LoglikelihoodResult(-1.0 if r.continuation in (" 2", " 4") else -5.0, True, 1)
+                for r in requests]
+
+    def loglikelihood_rolling(self, requests):
+        raise AssertionError("not used")
+
+    def generate_until(self, requests):
+        raise AssertionError("not used")
+
+
+def _score(tmp_path, lm):
+    ckpt = Checkpoint(tmp_path / "stage1-step2-tokens1K", 2, 1000, "c" * 64)
+    specs = resolve(["hostile_toy"])
+    cache = ResultCache(tmp_path / "cache")
+    rows, scored = score_checkpoints([ckpt], specs, lambda c: lm, cache, max_length=64)
+    return rows, scored, cache_key(ckpt.content_hash, specs[0], max_length=64), cache
+
+
+def _damage_truncated(d):
+    return json.dumps(d)[:40]
+
+
+def _damage_missing_value(d):
+    return json.dumps({k: v for k, v in d.items() if k != "value"})
+
+
+def _damage_edited_value(d):
+    return json.dumps({**d, "value": 0.123})
+
+
+def _damage_wrong_types(d):
+    return json.dumps({**d, "value": "abc", "metrics": [1], "n": None})
+
+
+def _damage_version_only(d):
+    return json.dumps({"version": d["version"]})
+
+
+def _damage_binary(d):
+    return "\udcff\x00" * 10
+
+
+@pytest.mark.parametrize("damage", [_damage_truncated, _damage_missing_value,
+                                    _damage_edited_value, _damage_wrong_types,
+                                    _damage_version_only, _damage_binary])
+def test_a_damaged_cache_file_is_recomputed_not_trusted(tmp_path, damage):
+    from olmoflow.eval.report import write_reports
+
+    lm = CountingLM()
+    rows, scored, key, _ = _score(tmp_path, lm)
+    assert scored == 1 and rows[0]["value"] == 1.0 and lm.calls == 4
+    path = tmp_path / "cache" / f"{key}.json"
+    good = json.loads(path.read_text())
+    path.write_bytes(damage(good).encode("utf-8", "surrogateescape"))
+    again = CountingLM()
+    rows2, scored2, _, _ = _score(tmp_path, again)
+    assert scored2 == 1 and again.calls == 4  # scored again, not read from the damaged file
+    assert rows2[0]["value"] == 1.0
+    # and the cache file is whole again: the same result (its timing and so its checksum may
+    # differ), which the next run trusts
+    def timeless(d):
+        return {k: v for k, v in d.items() if k not in ("seconds", "sha256")}
+
+    assert timeless(json.loads(path.read_text())) == timeless(good)
+    write_reports(rows2, tmp_path / "out")  # the reports read every field of a row
+    # an intact file is still a hit
+    third = CountingLM()
+    assert _score(tmp_path, third)[1] == 0 and third.calls == 0
+
+
+def test_a_missing_checkpoint_fails_before_the_heldout_evaluation(tmp_path, monkeypatch):
+    from olmoflow.pipeline.config import load_config
+    from olmoflow.pipeline.stages import eval as stage
+
+    def boom(cfg):
+        raise AssertionError("the model was loaded before the checkpoints were checked")
+
+    monkeypatch.setattr(stage, "load_trained_model", boom)
+    for name in ("stage1-step2-tokens1K", "stage1-step4-tokens2K"):
+        d = tmp_path / "run" / "pretrain" / name
+        d.mkdir(parents=True)
+    cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", "evaluate.tasks=[hostile_toy]",
+                               "evaluate.checkpoints=999"])
+    with pytest.raises(OlmoflowError, match="checkpoint"):
+        stage.run_evaluate(cfg, progress=False)

@@ -4,6 +4,7 @@ with in-loop evaluation on. Errors are one line and exit status 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from test_cli import assert_one_line_error, cli
 
 from olmoflow.cli import main
+from olmoflow.errors import OlmoflowError
 from olmoflow.eval.registry import register_task
 from olmoflow.eval.requests import LoglikelihoodRequest
 from olmoflow.eval.task import Task
@@ -151,3 +153,13 @@ def test_an_empty_task_list_is_an_error_naming_the_option(capsys, tmp_path, task
     rc, _, err = cli(capsys, "evaluate", "tiny", "--run-dir", str(tmp_path / "run"),
                      f"evaluate.in_loop.tasks={tasks}", "--no-progress")
     assert_one_line_error(rc, err, "evaluate.in_loop.tasks=", "names no task")
+
+
+def test_out_that_is_a_folder_fails_before_scoring(tmp_path):
+    from olmoflow.eval.cli import eval_run
+
+    args = argparse.Namespace(model=str(tmp_path / "no-model"), tasks=["hostile_toy"],
+                              limit=None, data_dir=None, strict=False, allow_network=False,
+                              batch_size=1, max_length=None, tokenizer=None, out=str(tmp_path))
+    with pytest.raises(OlmoflowError, match="--out .* is a directory"):
+        eval_run(args)

@@ -1,5 +1,6 @@
 """The code sandbox against hostile programs: each is contained, scored as a failure, and the
-next honest program still passes."""
+next honest program still passes; model-written code that undoes the Python-level guard still
+cannot touch the user's files (a read-only mount namespace)."""
 
 import os
 import socket
@@ -149,3 +150,59 @@ def test_run_many_keeps_order_and_isolates_failures():
     rs = run_many(progs, workers=2, timeout_s=T)
     assert [r.passed for r in rs] == [bool(i % 3) for i in range(9)]
     assert [r.stdout.strip() for r in rs if r.passed] == [str(i) for i in range(9) if i % 3]
+
+
+# --- a completion that undoes the Python-level guard cannot touch the user's files ----------------
+
+
+def _readonly_available() -> bool:
+    r = run_untrusted("pass", readonly_fs="require", timeout_s=10)
+    return r.returncode != 3
+
+
+needs_ns = pytest.mark.skipif(not _readonly_available(),
+                              reason="the kernel allows no mount namespace here (no privileges "
+                              "and no user namespaces)")
+
+
+BYPASSES = {
+    # a fresh copy of the builtin posix module has its functions back
+    "reimported posix": "import sys\ndel sys.modules['posix']\nimport posix\n"
+                        "posix.unlink({victim!r})",
+    "_io.FileIO": "import _io\nf = _io.FileIO({victim!r}, 'w')\nf.write(b'gone')\nf.close()",
+    "the guard's closure": "for c in open.__closure__:\n"
+                           "    v = c.cell_contents\n"
+                           "    if getattr(v, '__name__', '') == 'open':\n"
+                           "        v({victim!r}, 'w').write('gone')",
+    "new file beside it": "import _io\n_io.FileIO({new!r}, 'w').close()",
+    "rename": "import sys\ndel sys.modules['posix']\nimport posix\n"
+              "posix.rename({victim!r}, {new!r})",
+}
+
+
+@needs_ns
+@pytest.mark.parametrize("attack", sorted(BYPASSES))
+def test_a_completion_that_undoes_the_guard_cannot_touch_the_users_files(tmp_path, attack):
+    victim, new = tmp_path / "precious.txt", tmp_path / "planted.txt"
+    victim.write_text("keep me")
+    r = run_untrusted(BYPASSES[attack].format(victim=str(victim), new=str(new)), timeout_s=10)
+    assert not r.passed
+    assert "Read-only file system" in r.stderr
+    assert victim.read_text() == "keep me" and not new.exists()
+
+
+@needs_ns
+def test_the_working_directory_stays_writable_and_remounting_is_refused():
+    prog = ("open('a.txt', 'w').write('hi')\nimport os\nos.makedirs('d/e')\n"
+            "assert open('a.txt').read() == 'hi'\n"
+            "import sys\nfor m in ('ctypes', '_ctypes'):\n    sys.modules.pop(m, None)\n"
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "assert libc.mount(None, b'/', None, 32, None) != 0, 'remounted / writable'\n")
+    r = run_untrusted(prog, timeout_s=10)
+    assert r.passed, r.stderr
+
+
+def test_readonly_off_leaves_the_working_directory_usable():
+    r = run_untrusted("open('a.txt', 'w').write('x')\nprint(open('a.txt').read())",
+                      readonly_fs=False, timeout_s=10)
+    assert r.passed and r.stdout.strip() == "x"
