@@ -112,3 +112,22 @@ def test_hellaswag_text_bad_label_and_truncated(tmp_path):
 def test_missing_data_names_split(tmp_path):
     with pytest.raises(OlmoflowError, match="split=test"):
         get_task("csqa", EvalSettings(split="test", data_dir=tmp_path)).load()
+
+def test_one_line_that_is_not_utf8_is_one_bad_line(tmp_path):
+    """A JSONL file with one undecodable line: that line is skipped and counted with its number
+    (an error under strict), the rest of the file is read."""
+    from olmoflow.eval.sources import read_records
+    from olmoflow.posttrain.data import DataStats, read_conversations
+
+    path = tmp_path / "mixed.jsonl"
+    good = (b'{"messages": [{"role": "user", "content": "a"}, '
+            b'{"role": "assistant", "content": "b"}]}\n')
+    path.write_bytes(good + b'{"text": "\xff\xfe"}\n' + good)
+    skipped: list[str] = []
+    assert [w for w, _ in read_records([path], "jsonl", skipped=skipped)] == [
+        f"{path}:1", f"{path}:3"]
+    assert skipped == [f"{path}:2: not UTF-8 text (invalid start byte at byte 10 of the line)"]
+    stats = DataStats()
+    assert len(list(read_conversations([path], stats=stats))) == 2
+    with pytest.raises(OlmoflowError, match=r"mixed.jsonl:2: not UTF-8"):
+        list(read_records([path], "jsonl", strict=True))

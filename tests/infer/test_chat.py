@@ -7,9 +7,10 @@ import io
 
 import pytest
 import torch
+from chat_models import chat_model, chat_tokenizer
 from checks import scripted_input
 
-from olmoflow.infer.chat import ChatSession, chat_main, load_chat_model
+from olmoflow.infer.chat import ChatSession, _trained_length, chat_main, load_chat_model
 from olmoflow.infer.generate import generate
 from olmoflow.infer.sampling import SamplingParams
 from olmoflow.model.config import ModelConfig
@@ -213,3 +214,49 @@ def test_ctrl_c_stops_the_reply_not_the_chat(release):
                     "--max-new-tokens", "8"], input_fn=input_fn, output=out)
     assert rc == 0
     assert " [stopped]\n[history cleared: 1 exchange(s) forgotten]" in out.getvalue()
+
+
+# --- a tulu-templated release: messages not sent, bad options, the trained length -----------------
+
+
+@pytest.fixture(scope="module")
+def tulu_release(tmp_path_factory):
+    tok = chat_tokenizer()
+    model = chat_model(tok, window=128)
+    add_chat_template(tok, "tulu", model=model)
+    d = tmp_path_factory.mktemp("release")
+    model.save_pretrained(d, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok.save(d)
+    (d / "config.yaml").write_text("train:\n  sequence_length: 96\n")
+    return d
+
+
+def test_a_message_not_sent_is_not_also_an_empty_reply(tulu_release):
+    out = io.StringIO()
+    rc = chat_main([str(tulu_release), "--seed", "0", "--max-new-tokens", "4", "--device", "cpu"],
+                   input_fn=scripted_input(["hi", "cat " * 200]), output=out)
+    text = out.getvalue()
+    assert rc == 0 and text.count("[note] message not sent") == 1
+    sent, not_sent = text.split("message not sent", 1)
+    assert "\n" in sent.split("leave\n", 1)[1]  # "hi" was sent and answered (or said no reply)
+    assert "[no reply" not in not_sent
+
+
+def test_max_new_tokens_zero_is_a_one_line_error(tulu_release):
+    err = io.StringIO()
+    assert chat_main([str(tulu_release), "--max-new-tokens", "0", "--device", "cpu"],
+                     input_fn=scripted_input([]), output=io.StringIO(), errors=err) == 2
+    assert "--max-new-tokens must be >= 1" in err.getvalue()
+    assert err.getvalue().count("\n") == 1
+
+
+def test_the_context_of_a_post_trained_checkpoint_is_its_stages_length(tmp_path):
+    """A model pretrained on 64-token windows, then fine-tuned on 256-token conversations: chat
+    used to cut it to 64 tokens (pretraining's train.sequence_length)."""
+    (tmp_path / "config.yaml").write_text(
+        "train:\n  sequence_length: 64\n"
+        "sft:\n  data:\n    paths: [a.jsonl]\n  train:\n    sequence_length: 256\n"
+        "dpo:\n  data:\n    paths: []\n  train:\n    sequence_length: 1024\n")
+    assert _trained_length(tmp_path) == 256  # dpo has no data: not part of the run
+    (tmp_path / "config.yaml").write_text("train:\n  sequence_length: 64\n")
+    assert _trained_length(tmp_path) == 64

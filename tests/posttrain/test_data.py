@@ -8,18 +8,21 @@ import json
 from pathlib import Path
 
 import pytest
+from chat_models import chat_tokenizer
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.posttrain.chat_template import add_chat_template, render
 from olmoflow.posttrain.data import (
     Conversation,
     DataStats,
+    check_data_files,
     preference_examples,
     read_conversations,
     read_pairs,
     sft_examples,
 )
 from olmoflow.posttrain.formats import split_hh_rlhf, to_pair
+from olmoflow.posttrain.sft import build_sft_data
 from olmoflow.tokenizer import BPETokenizer
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -367,3 +370,33 @@ def test_a_mistyped_data_path_is_an_error_not_a_text_record(tmp_path):
         list(read_conversations(str(tmp_path / "missing.jsonl")))
     with pytest.raises(OlmoflowError, match="no such data file"):
         list(read_conversations([str(tmp_path / "tulu_mix.json.gz")]))
+
+
+# --- data paths that are not files ----------------------------------------------------------------
+
+
+SHORT_CONV = {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "yo"}]}
+
+
+def test_a_missing_path_without_a_data_suffix_is_an_error_not_a_text_record(tmp_path):
+    missing = tmp_path / "mydata"  # no .jsonl: it used to be trained on as the text "…/mydata"
+    with pytest.raises(OlmoflowError, match="sft.data.paths: no such data file"):
+        check_data_files([missing], "sft.data.paths")
+    with pytest.raises(OlmoflowError, match="no such data file"):
+        build_sft_data([str(missing)], None, "tulu", chat_tokenizer(), 64)
+
+
+def test_a_directory_path_is_an_error_naming_it(tmp_path):
+    d = tmp_path / "convs"
+    d.mkdir()
+    with pytest.raises(OlmoflowError, match="is a directory"):
+        check_data_files([d], "dpo.data.paths")
+    with pytest.raises(OlmoflowError, match="is a directory"):
+        list(read_conversations([str(d)]))
+    with pytest.raises(OlmoflowError, match="is a directory"):
+        build_sft_data([d], None, "tulu", chat_tokenizer(), 64)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps(SHORT_CONV) + "\n")
+    check_data_files([ok])  # a file passes
+    assert len(list(read_conversations([ok]))) == 1

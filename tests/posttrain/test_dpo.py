@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from chat_models import chat_model, chat_tokenizer
 from tolerance import assert_fp32_close, forward_terms, fp32_rel
 
 from olmoflow.config import from_dict
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
+from olmoflow.pipeline.stages.posttrain import Base, check_same_tokenizer
 from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.posttrain.dpo import (
     REFERENCE_FILE,
@@ -426,3 +428,21 @@ def test_shared_preference_data_loads_into_batches(tok, rel):
     assert (batch["labels"] != IGNORE_INDEX).sum() == ds.response_counts().sum()
     loss, _ = obj.loss(model, batch, obj.normalizer(batch, dist1()))
     assert abs(loss.item() - LN2) < 1e-3
+
+
+# --- a reference with another tokenizer -----------------------------------------------------------
+
+
+def _base(tok: BPETokenizer, path: str) -> Base:
+    return Base(model=chat_model(tok), tokenizer=tok, path=Path(path), kind="hf", files=[])
+
+
+def test_a_reference_with_another_tokenizer_is_refused():
+    a, b = chat_tokenizer(300), chat_tokenizer(280)
+    add_chat_template(a, "tulu")
+    add_chat_template(b, "tulu")
+    with pytest.raises(OlmoflowError, match="dpo.reference: '/ref' has another tokenizer"):
+        check_same_tokenizer(_base(a, "/base"), _base(b, "/ref"), "dpo.reference")
+    c = chat_tokenizer(300)
+    add_chat_template(c, "tulu")
+    check_same_tokenizer(_base(a, "/base"), _base(c, "/ref"), "dpo.reference")  # the same one

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_models import chat_model, chat_tokenizer
 from tolerance import assert_fp32_close, forward_terms
 
 from olmoflow.config import from_dict
@@ -268,3 +269,25 @@ def test_grpo_raises_the_reward(tok, tmp_path):
     Trainer(model, cfg, loader, tmp_path, progress=False, objective=GRPOObjective()).fit()
     r = [json.loads(ln)["rollout/reward"] for ln in (tmp_path / METRICS).read_text().splitlines()]
     assert sum(r[-3:]) / 3 > sum(r[:3]) / 3 + 0.25, r
+
+def test_rl_with_kl_coef_trains(tmp_path):
+    """``rl.kl_coef > 0`` used to stop at the first step with an internal message ("build the
+    RolloutLoader with ref_model="): the stage now gives the loader a frozen copy of the base."""
+    from olmoflow.pipeline.config import load_config
+    from olmoflow.pipeline.stages.posttrain import run_rl
+
+    tok = chat_tokenizer()
+    model = chat_model(tok)
+    base = tmp_path / "base"
+    model.save_pretrained(base, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok.save(base)
+    cfg = load_config("tiny", [
+        f"run_dir={tmp_path / 'run'}", f"rl.base={base}", "rl.prompts.source=arithmetic",
+        "rl.prompts.count=8", "rl.prompts.heldout=0", "rl.kl_coef=0.1", "rl.group_size=2",
+        "rl.prompts_per_step=2", "rl.max_new_tokens=4", "rl.temperature=2.0",
+        "rl.train.max_steps=2", "rl.train.global_batch_size=4", "rl.train.micro_batch_size=4",
+        "rl.train.optimizer.lr=1e-2", "rl.eval_interval=0"])
+    result = run_rl(cfg, progress=False)
+    assert result.counts["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rl" / "metrics.jsonl").open()]
+    assert all("kl" in r for r in rows if "step" in r)

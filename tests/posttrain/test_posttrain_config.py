@@ -10,7 +10,7 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.models import final_model_stage, previous_model_stage
 from olmoflow.pipeline.stages import STAGES  # noqa: F401  (the flow's table, which the chain reads)
-from olmoflow.posttrain.config import DPOConfig, SFTConfig
+from olmoflow.posttrain.config import DPOConfig, LoraConfig, SFTConfig
 from olmoflow.train.config import TrainConfig
 
 FINETUNE = """\
@@ -84,3 +84,27 @@ def test_the_stage_order_decides_each_base_and_the_final_model():
     assert previous_model_stage(cfg, "rl") == "sft"
     assert previous_model_stage(cfg, "dpo") == "sft"
     assert previous_model_stage(cfg, "sft") == "pretrain"
+
+@pytest.mark.parametrize("lora, match", [
+    ({"alpha": 0}, "lora.alpha must be > 0"),
+    ({"alpha": -1.0}, "lora.alpha must be > 0"),
+    ({"targets": []}, "lora.targets must name at least one"),
+])
+def test_bad_lora_values_fail_when_the_config_is_read(lora, match):
+    with pytest.raises(OlmoflowError, match=match):
+        from_dict(LoraConfig, lora, "sft.lora.")
+
+
+def test_one_lora_target_given_as_a_string_is_one_target():
+    assert from_dict(LoraConfig, {"targets": "q"}, "sft.lora.").targets == ["q"]
+    with pytest.raises(OlmoflowError, match="lora.targets"):
+        from_dict(LoraConfig, {"targets": "qk"}, "sft.lora.")
+    # peft's module names, as a user coming from peft writes them, are the same targets
+    assert from_dict(LoraConfig, {"targets": ["q_proj", "v_proj", "w_q"]},
+                     "sft.lora.").targets == ["q", "v"]
+
+
+def test_a_negative_simpo_margin_is_an_error():
+    with pytest.raises(OlmoflowError, match="dpo.simpo_gamma must be >= 0"):
+        from_dict(DPOConfig, {"loss": "simpo", "simpo_gamma": -1}, "dpo.")
+    assert from_dict(DPOConfig, {"simpo_gamma": 0.0}, "dpo.").simpo_gamma == 0.0

@@ -125,3 +125,7 @@ def test_gsm8k_shared_data():
     first = json.loads(path.read_text().splitlines()[0])
     solution = first["answer"]  # the reference solution itself earns the reward
     assert Verifier()(solution.replace("####", "The answer is"), ps[0]) == (1.0, True)
+
+def test_a_prompt_directory_is_named_as_a_directory(tmp_path):
+    with pytest.raises(OlmoflowError, match="is a directory"):
+        read_prompts(tmp_path, stats=DataStats())
