@@ -8,9 +8,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from fuzzing import ROOT, mutated_data_file, mutated_yaml, rng_for, write_tiny_release
 
 from olmoflow.cli import main
 
@@ -354,3 +358,47 @@ def test_failed_first_stage_leaves_no_run_dir(tmp_path, capsys):
                      "--no-progress")
     assert_one_line_error(rc, err, "run 'olmoflow")
     assert not run.exists()
+
+
+# --- seeded fuzzing (tests/fuzzing.py): the real exit path, in child processes --------------------
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("release"))
+
+
+def test_fuzz_the_real_command(tmp_path, release_dir):
+    """A few generated inputs through ``python -m olmoflow``, run side by side: exit 0, or exit 2
+    with exactly one error line and no traceback."""
+    r = rng_for("subprocess")
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    bad_release = tmp_path / "bad_release"
+    shutil.copytree(release_dir, bad_release)
+    weights = (bad_release / "model.safetensors").read_bytes()
+    (bad_release / "model.safetensors").write_bytes(weights[: r.randrange(8, len(weights) // 2)])
+    yaml = tmp_path / "bad.yaml"
+    yaml.write_bytes(mutated_yaml(r, (ROOT / "configs" / "tiny.yaml").read_text()) + b"\n1: 2\n")
+    commands = [
+        ["collect", "--data", str(mutated_data_file(r, inputs, 0)), "--run-dir",
+         str(tmp_path / "run"), "--no-progress", "--strict"],
+        ["plan", str(yaml), "--gpus", "1"],
+        ["export", "hf", str(bad_release), str(tmp_path / "export")],
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "olmoflow", *argv], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in commands]
+    for argv, p in zip(commands, procs):
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"hang: {argv}")
+        assert p.returncode in (0, 2), (argv, p.returncode, err)
+        assert "Traceback" not in err, (argv, err)
+        if p.returncode == 2:
+            errors = [ln for ln in err.splitlines() if ln.startswith("olmoflow: error: ")]
+            assert len(errors) == 1 and err.strip().endswith(errors[0]), (argv, err)
+    assert procs[2].returncode == 2 and not (tmp_path / "export").exists()

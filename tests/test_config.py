@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from fuzzing import CASES, OVERRIDE_VALUES, ROOT, Findings, mutated_yaml, rng_for
 from test_cli import assert_one_line_error, cli
 
 from olmoflow.config import all_keys, from_dict, load_tree, note_renamed
@@ -207,3 +208,40 @@ def test_yaml_values_users_write(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(OlmoflowError, match="top level must be a mapping"):
         load_config(str(bad))
+
+
+# --- seeded fuzzing (tests/fuzzing.py): run configs and overrides ---------------------------------
+
+
+def test_fuzz_run_config_files(tmp_path):
+    """Mutations of configs/tiny.yaml loaded the way every run verb loads its config."""
+    from olmoflow.pipeline.config import RunConfig, load_config
+
+    r, found = rng_for("yaml"), Findings("run config")
+    base = (ROOT / "configs" / "tiny.yaml").read_text()
+    for case in range(CASES):
+        path = tmp_path / f"case{case:04d}.yaml"
+        path.write_bytes(mutated_yaml(r, base))
+        kind, cfg = found.outcome(case, path.read_bytes()[:400].decode("utf-8", "replace"),
+                                  lambda path=path: load_config(str(path)))
+        if kind == "ok" and not isinstance(cfg, RunConfig):
+            found.add(case, str(path), f"loaded as {type(cfg)}")
+    found.check()
+
+
+def test_fuzz_overrides(tmp_path):
+    """``key=value`` overrides: real keys of the schema (and near misses) with values of every
+    wrong type and range."""
+    from olmoflow.config import all_keys
+    from olmoflow.pipeline.config import RunConfig, load_config
+
+    r, found = rng_for("overrides"), Findings("overrides")
+    keys = all_keys(RunConfig) + ["resume_from", "model.d_modell", "train", "model", "", ".",
+                                  "model..d_model", "train.optimizer", "1", "model.1"]
+    for case in range(CASES):
+        overrides = [f"{r.choice(keys)}={r.choice(OVERRIDE_VALUES)}"
+                     for _ in range(r.randrange(1, 4))]
+        kind, cfg = found.outcome(case, repr(overrides), lambda o=overrides: load_config("tiny", o))
+        if kind == "ok" and not isinstance(cfg, RunConfig):
+            found.add(case, repr(overrides), f"loaded as {type(cfg)}")
+    found.check()

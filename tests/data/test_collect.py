@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 
 import pytest
+from checks import tree
+from fuzzing import CASES, Findings, good_docs, mutated_data_file, one_line, rng_for, run_cli
 
 from olmoflow.cli import main
 from olmoflow.data.config import CollectConfig
@@ -325,3 +327,50 @@ def test_data_ingest_counts_it_as_malformed(data, tmp_path, capsys):
         with gzip.open(f, "rt") as fh:
             texts += [json.loads(line)["text"] for line in fh]
     assert len(texts) == 2  # the good line and the one nested 900 deep
+
+
+# --- seeded fuzzing (tests/fuzzing.py): damaged data files given to collect -----------------------
+
+
+def test_fuzz_collect_through_the_cli(tmp_path, capsys):
+    """Mutated JSONL and gzip files given to ``olmoflow collect --data``, rerun in one run
+    directory: a success writes a readable corpus whose count matches the manifest; a failure is
+    one line and leaves the previous complete collect output as it was."""
+    # A whole stage run each (config, lock, fsyncs, manifest): a quarter of the cases; the ingest
+    # job below feeds the same readers the full number.
+    r, found = rng_for("collect"), Findings("collect", max(CASES // 4, 1))
+    run = tmp_path / "run"
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    first = inputs / "good.jsonl"
+    first.write_text("".join(json.dumps(d) + "\n" for d in good_docs(r)))
+    assert run_cli(capsys, ["collect", "--data", str(first), "--run-dir", str(run),
+                        "--no-progress"])[0] == 0
+    finished = tree(run / "collect")
+    for case in range(found.cases):
+        path = mutated_data_file(r, inputs, case)
+        argv = ["collect", "--data", str(path), "--run-dir", str(run), "--no-progress"]
+        argv += ["--strict"] if r.random() < 0.3 else []
+        kind, rc = found.outcome(case, f"{' '.join(argv)}: {path.read_bytes()[:200]!r}",
+                                 lambda argv=argv: run_cli(capsys, argv))
+        if kind != "ok":
+            continue
+        rc, err = rc
+        if rc == 2 and one_line(err):
+            found.counts["ok"] -= 1
+            found.counts["error"] += 1
+            if tree(run / "collect") != finished:
+                found.add(case, str(path), "a failed rerun changed the finished collect output")
+            continue
+        if rc != 0:
+            found.add(case, str(path), f"exit {rc}: {err!r}")
+            continue
+        manifest = json.loads((run / "collect" / "manifest.json").read_text())
+        with gzip.open(run / "collect" / "documents.jsonl.gz", "rt", encoding="utf-8") as f:
+            docs = [json.loads(line) for line in f]
+        if len(docs) != manifest["counts"]["documents"] or not all(
+                isinstance(d.get("text"), str) for d in docs):
+            found.add(case, str(path), f"output does not hold up: {docs[:2]}")
+        finished = tree(run / "collect")
+        path.unlink()
+    found.check()

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from checks import one_line_error
 from engine_inputs import engine_config
+from fuzzing import CASES, Findings, good_docs, mutated_yaml, rng_for
 from test_cli import assert_one_line_error, cli
 
 from olmoflow.cli import main
@@ -274,3 +275,66 @@ def test_a_bad_tagger_option_stops_the_run_before_ingest(source_dir, capsys):
     assert main(["data", "run", str(cfg), "--no-progress"]) == 2
     assert "option of tagger 'pii'" in one_line_error(capsys)
     assert not (source_dir / "engine").exists()  # refused before anything was made
+
+
+# --- seeded fuzzing (tests/fuzzing.py): data-engine configs ---------------------------------------
+
+
+DATA_CONFIG = """\
+output: {out}
+executor: serial
+workers: 1
+strict: false
+steps: [ingest, tag, dedup, decontaminate, mix, tokenize]
+sources:
+  - name: web
+    paths: [{data}]
+    options: {{text_field: text}}
+quality:
+  options: {{epoch: 5}}
+taggers: [gopher, c4, {{langid: {{languages: [en]}}}}, pii]
+dedup:
+  exact: true
+  key: metadata.url
+  paragraphs: true
+  minhash: {{threshold: 0.8, ngram: 5, num_perm: 16, seed: 1}}
+decontaminate:
+  ngram: 13
+  evals: [arc]
+  eval_dir: {evals}
+  action: drop
+mixer:
+  exclude: ["gopher__fail_any == 1"]
+  replace: {{pii__email_address: "|||EMAIL|||"}}
+  seed: 0
+tokenize:
+  tokenizer: null
+  vocab_size: 300
+  dtype: auto
+"""
+
+
+def test_fuzz_data_engine_configs(tmp_path):
+    """Mutated data-engine configs, loaded and checked the way ``olmoflow data run`` does before
+    any step runs (nothing is ingested)."""
+    from olmoflow.data import steps as data_steps
+    from olmoflow.data.engine import Engine, load_data_config
+
+    r, found = rng_for("data-config"), Findings("data-engine config")
+    data = tmp_path / "web.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in good_docs(r)))
+    (tmp_path / "evals").mkdir()
+    base = DATA_CONFIG.format(out=tmp_path / "engine", data=data, evals=tmp_path / "evals")
+
+    def load(path: Path) -> None:
+        cfg = load_data_config(path)
+        engine = Engine(cfg)
+        data_steps.preflight(engine, [s for s in data_steps.UPSTREAM if s in cfg.steps])
+
+    for case in range(CASES):
+        path = tmp_path / f"case{case:04d}.yaml"
+        path.write_bytes(mutated_yaml(r, base))
+        found.outcome(case, path.read_bytes()[:600].decode("utf-8", "replace"),
+                      lambda path=path: load(path))
+    assert not (tmp_path / "engine").exists()  # checking a config makes nothing
+    found.check()

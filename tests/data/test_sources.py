@@ -4,8 +4,11 @@ document is usable is named at ingest."""
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 from engine_inputs import GOOD, engine_config, jsonl
+from fuzzing import CASES, Findings, dumps, mutated_data_file, odd_value, rng_for
 
 from olmoflow.data.engine import Engine, load_data_config
 from olmoflow.errors import OlmoflowError
@@ -57,3 +60,34 @@ def test_an_artifact_directory_reads_without_warning_about_its_manifest(tmp_path
     with caplog.at_level("WARNING"):
         assert [i.name for i in plan_inputs([str(d)], "mixed")] == ["mixed/c4/0000.jsonl"]
     assert "unsupported" not in caplog.text
+
+
+# --- seeded fuzzing (tests/fuzzing.py): damaged data files given to the ingest job ----------------
+
+
+def test_fuzz_the_ingest_job(tmp_path):
+    """The same damage given to the data engine's ingest job (what ``data ingest`` runs per
+    file): its stats must add up and its shards hold what it says it kept."""
+    from olmoflow.data.sources import ingest_shard
+
+    r, found = rng_for("ingest"), Findings("ingest")
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for case in range(CASES):
+        path = mutated_data_file(r, inputs, case)
+        task = {"input": str(path), "source": "web", "strict": r.random() < 0.3,
+                "output": str(tmp_path / "out" / f"{case:04d}.jsonl.gz")}
+        if r.random() < 0.2:
+            task["options"] = {r.choice(["text_field", "max_document_bytes", "max_shard_bytes",
+                                         "html_extractor", "bogus"]): odd_value(r)}
+        kind, stats = found.outcome(case, f"{dumps(task)[:300]}: {path.read_bytes()[:200]!r}",
+                                    lambda task=task: ingest_shard(task))
+        if kind != "ok":
+            continue
+        kept = 0
+        for shard in stats["outputs"]:
+            with gzip.open(shard, "rt", encoding="utf-8") as f:
+                kept += sum(1 for _ in f)
+        if kept != stats["documents_out"] or stats["documents_in"] < kept:
+            found.add(case, str(path), f"stats do not add up: {stats}")
+    found.check()

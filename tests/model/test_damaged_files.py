@@ -6,12 +6,23 @@ before any model is built."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from fuzzing import (
+    CASES,
+    Findings,
+    dumps,
+    mutate_bytes,
+    mutate_json,
+    odd_value,
+    rng_for,
+    write_tiny_release,
+)
 
 from olmoflow.cli import main
 from olmoflow.errors import OlmoflowError
@@ -161,3 +172,57 @@ def test_export_hf_of_a_damaged_directory_exits_2(good_dir, tmp_path, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "model.safetensors" in lines[0], err
     assert not (tmp_path / "out").exists()
+
+
+# --- seeded fuzzing (tests/fuzzing.py): release directories ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("release"))
+
+
+def test_fuzz_release_directories(tmp_path, release_dir):
+    """Damaged release directories (``config.json`` mutations, truncated or altered
+    ``model.safetensors``) loaded as ``Olmo.from_pretrained`` does for generate, export and
+    evaluation: a model that loads runs a forward pass of the right shape."""
+    from olmoflow.model.olmo import Olmo
+
+    r, found = rng_for("release"), Findings("release directory")
+    config = json.loads((release_dir / "config.json").read_text())
+    weights = (release_dir / "model.safetensors").read_bytes()
+    header = int.from_bytes(weights[:8], "little") + 8
+    torch.set_num_threads(1)
+    for case in range(CASES):
+        d = tmp_path / f"case{case:04d}"
+        shutil.copytree(release_dir, d)
+        op = r.randrange(8)
+        if op < 4:
+            (d / "config.json").write_text(dumps(mutate_json(r, config)))
+        elif op == 4:
+            key = r.choice(["num_hidden_layers", "hidden_size", "num_attention_heads",
+                            "num_key_value_heads", "intermediate_size", "vocab_size",
+                            "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                            "sliding_window", "layer_types", "architectures", "torch_dtype"])
+            (d / "config.json").write_text(dumps({**config, key: odd_value(r)}))
+        elif op == 5:
+            (d / "model.safetensors").write_bytes(weights[:r.randrange(len(weights))])
+        elif op == 6:  # damage inside the JSON header, where names, shapes and offsets live
+            i = r.randrange(8, header)
+            (d / "model.safetensors").write_bytes(
+                weights[:i] + bytes([r.randrange(32, 127)]) + weights[i + 1:])
+        else:
+            (d / "model.safetensors").write_bytes(mutate_bytes(r, weights[:header]) +
+                                                  weights[header:])
+
+        def load_and_run(d: Path = d) -> None:
+            model = Olmo.from_pretrained(d)
+            with torch.no_grad():
+                out = model(torch.tensor([[1, 2, 3]]))
+            logits = out if torch.is_tensor(out) else out.logits
+            if tuple(logits.shape[:2]) != (1, 3):
+                raise AssertionError(f"logits of shape {tuple(logits.shape)}")
+
+        found.outcome(case, f"op {op} in {d}: {(d / 'config.json').read_text()[:300]}",
+                      load_and_run)
+    found.check()

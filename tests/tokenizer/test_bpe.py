@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fuzzing import CASES, Findings, deep, dumps, mutate_bytes, mutate_json, rng_for
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BaseTokenizer, BPETokenizer, Tokenizer
@@ -207,3 +210,57 @@ def test_transformers_parity(tok, tmp_path):
         assert auto.decode(ids, skip_special_tokens=False) == tok.decode(
             ids, skip_special_tokens=False
         )
+
+
+# --- seeded fuzzing (tests/fuzzing.py): tokenizer.json files --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from olmoflow.tokenizer import BPETokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    texts = ["the sea and the ships of the harbour " * 4, "def main():\n    return 1\n" * 4]
+    BPETokenizer().train_from_texts(texts * 4, vocab_size=300).save(d)
+    return d
+
+
+def test_fuzz_tokenizer_json(tmp_path, tokenizer_dir):
+    """Mutated ``tokenizer.json`` files (and their config): a tokenizer that loads encodes text
+    into ids below its vocabulary size and decodes them back to a string."""
+    from olmoflow.tokenizer import Tokenizer
+
+    r, found = rng_for("tokenizer"), Findings("tokenizer.json")
+    base = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab_tokens = list(base["model"]["vocab"])
+    for case in range(CASES):
+        d = tmp_path / f"case{case:04d}"
+        shutil.copytree(tokenizer_dir, d)
+        op = r.randrange(10)
+        if op < 6:
+            (d / "tokenizer.json").write_text(dumps(mutate_json(r, base)))
+        elif op == 6:
+            tok = json.loads(json.dumps(base))
+            tok["model"]["vocab"][r.choice(vocab_tokens)] = r.choice(
+                [2**31 - 1, -1, 10**6, 0, 299, 300, 1.5, "7", None])
+            (d / "tokenizer.json").write_text(json.dumps(tok))
+        elif op == 7:
+            (d / "tokenizer.json").write_bytes(
+                mutate_bytes(r, (tokenizer_dir / "tokenizer.json").read_bytes()))
+        elif op == 8:
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            (d / "tokenizer_config.json").write_text(dumps(mutate_json(r, cfg)))
+        else:
+            (d / r.choice(["tokenizer.json", "tokenizer_config.json"])).write_text(
+                r.choice(["", "[]", "null", "1", "{", dumps(deep(r))]))
+
+        def load_and_use(d: Path = d) -> None:
+            tok = Tokenizer.from_pretrained(d)
+            ids = tok.encode("the sea and 123 ships\n")
+            if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):
+                raise AssertionError(f"ids {ids} outside the vocabulary ({tok.vocab_size})")
+            if not isinstance(tok.decode(ids), str):
+                raise AssertionError("decode gave no string")
+
+        found.outcome(case, f"op {op} in {d}", load_and_use)
+    found.check()
