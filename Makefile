@@ -32,7 +32,7 @@ browser:
 	  || echo "note: chromium is not installed; the chat page test will be skipped"
 
 test: $(STAMP) browser
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/demo_quality.py
