@@ -291,7 +291,8 @@ def _export_gguf(args: argparse.Namespace) -> None:
 
 
 def _merge_lora(args: argparse.Namespace) -> None:
-    from olmoflow.release.export import export_hf, lora_settings_of, resolve_source
+    from olmoflow.model.load import lora_settings_of, resolve_source
+    from olmoflow.release.export import export_hf
 
     kind, src = resolve_source(args.checkpoint)
     if kind != "step" or lora_settings_of(src) is None:

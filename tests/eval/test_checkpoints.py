@@ -158,7 +158,7 @@ def test_a_rerun_scores_only_new_checkpoints_and_tasks(run):
 def test_cached_scores_are_those_of_the_checkpoint_scored_directly(run):
     from olmoflow.eval.harness import run_tasks
     from olmoflow.eval.scorer import OlmoflowLM
-    from olmoflow.release.export import load_step_model
+    from olmoflow.model.load import load_step_model
     from olmoflow.tokenizer import Tokenizer
 
     evaluate(run, "evaluate.tasks=[h4_ckpt_a]", "evaluate.checkpoints=4")

@@ -10,10 +10,11 @@ import torch
 from chat_models import chat_model, chat_tokenizer
 from checks import scripted_input
 
-from olmoflow.infer.chat import ChatSession, _trained_length, chat_main, load_chat_model
+from olmoflow.infer.chat import ChatSession, chat_main
 from olmoflow.infer.generate import generate
 from olmoflow.infer.sampling import SamplingParams
 from olmoflow.model.config import ModelConfig
+from olmoflow.model.load import trained_length
 from olmoflow.model.olmo import Olmo
 from olmoflow.posttrain.chat_template import add_chat_template, render
 from olmoflow.tokenizer import BPETokenizer
@@ -50,8 +51,11 @@ def release(tmp_path_factory):
     return d
 
 
-def test_load_chat_model_uses_trained_length(release):
-    model, tok, src, window = load_chat_model(release, device="cpu")
+def test_the_chat_context_is_the_trained_length(release):
+    from olmoflow.model.load import load_model
+
+    loaded = load_model(release, device="cpu")
+    model, tok, src, window = loaded.model, loaded.tokenizer, loaded.path, loaded.context_length
     assert src == release and window == 96 < model.config.max_sequence_length
     assert tok.chat_template is not None
 
@@ -257,6 +261,6 @@ def test_the_context_of_a_post_trained_checkpoint_is_its_stages_length(tmp_path)
         "train:\n  sequence_length: 64\n"
         "sft:\n  data:\n    paths: [a.jsonl]\n  train:\n    sequence_length: 256\n"
         "dpo:\n  data:\n    paths: []\n  train:\n    sequence_length: 1024\n")
-    assert _trained_length(tmp_path) == 256  # dpo has no data: not part of the run
+    assert trained_length(tmp_path) == 256  # dpo has no data: not part of the run
     (tmp_path / "config.yaml").write_text("train:\n  sequence_length: 64\n")
-    assert _trained_length(tmp_path) == 64
+    assert trained_length(tmp_path) == 64

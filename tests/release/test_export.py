@@ -111,7 +111,7 @@ def test_export_bf16_from_latest_and_reexport(tiny_run, tmp_path, capsys):
 def test_export_from_the_latest_pointer_file(tiny_run, tmp_path, capsys):
     """``run_dir/pretrain/latest`` (the pointer file a user tab-completes to) exports the checkpoint
     it names, the same weights as the pretrain folder itself."""
-    from olmoflow.release.export import resolve_source
+    from olmoflow.model.load import resolve_source
 
     pretrain = tiny_run / "pretrain"
     assert resolve_source(pretrain / "latest") == resolve_source(pretrain)

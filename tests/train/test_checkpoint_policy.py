@@ -14,6 +14,7 @@ from checks import tree
 from resume_helpers import make_trainer, read_metrics
 
 from olmoflow.errors import OlmoflowError
+from olmoflow.model.checkpoint_names import format_tokens
 from olmoflow.pipeline.config import load_config
 from olmoflow.train.checkpoint import (
     INDEX,
@@ -25,7 +26,6 @@ from olmoflow.train.checkpoint import (
     prune_checkpoints,
     resolve_checkpoint,
 )
-from olmoflow.train.checkpoint_names import format_tokens
 
 TOKENS_PER_STEP = 4 * 8  # resume_helpers.train_config: 4 instances of 8 tokens
 

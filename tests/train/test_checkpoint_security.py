@@ -22,18 +22,18 @@ from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
 from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
+from olmoflow.model.checkpoint_files import CHECKSUMS
+from olmoflow.model.checkpoint_files import load_weights as load_model
 from olmoflow.train.checkpoint import (
     LATEST,
     TRAINER_STATE,
     list_checkpoints,
-    load_model,
     read_trainer_state,
     resolve_checkpoint,
     rng_state,
     set_rng_state,
     write_checksums,
 )
-from olmoflow.train.checkpoint_verify import CHECKSUMS
 from olmoflow.train.trainer import Trainer
 
 KW = dict(max_steps=4, checkpoint__save_interval=2)

@@ -14,7 +14,8 @@ from resume_helpers import (
 )
 from tolerance import forward_terms, fp32_rel
 
-from olmoflow.train.checkpoint import load_model, resolve_checkpoint
+from olmoflow.model.checkpoint_files import load_weights as load_model
+from olmoflow.train.checkpoint import resolve_checkpoint
 
 
 def test_compiled_blocks_train_like_eager_and_save_plain_checkpoints(tmp_path):

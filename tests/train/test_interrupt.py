@@ -19,9 +19,9 @@ import torch
 from resume_helpers import make_trainer
 
 from olmoflow.cli import main
+from olmoflow.model.load import load_step_model
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.runner import run_pipeline
-from olmoflow.release.export import load_step_model
 from olmoflow.scripts.train import main as train_script
 from olmoflow.tokenizer import Tokenizer
 from olmoflow.train import distributed

@@ -21,8 +21,8 @@ from resume_helpers import make_trainer, read_metrics
 from test_cli import cli, doc_text, write_jsonl
 
 from olmoflow.artifacts import is_atomic_temporary
+from olmoflow.model.checkpoint_files import CHECKSUMS
 from olmoflow.train.checkpoint import INDEX, LATEST, TRAINER_STATE, list_checkpoints
-from olmoflow.train.checkpoint_verify import CHECKSUMS
 from olmoflow.train.trainer import METRICS
 
 STEPS = 4

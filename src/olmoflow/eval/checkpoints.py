@@ -27,7 +27,7 @@ from olmoflow.eval.spec import Resolved
 
 #: bump when a change to the scorer or the result format makes cached results stale.
 CACHE_VERSION = "olmoflow-eval-1"
-#: the checksum file every olmoflow checkpoint carries (train/checkpoint_verify.py)
+#: the checksum file every olmoflow checkpoint carries (model/checkpoint_files.py)
 CHECKSUMS = "checksums.json"
 
 
@@ -77,8 +77,8 @@ def select_checkpoints(folder: Path, which: str) -> list[Checkpoint]:
     Raises:
         OlmoflowError: the folder has no checkpoint, or an entry names none (listing those kept).
     """
+    from olmoflow.model.checkpoint_names import list_checkpoints, parse_checkpoint_name
     from olmoflow.train.checkpoint import resolve_checkpoint, step_and_tokens
-    from olmoflow.train.checkpoint_names import list_checkpoints, parse_checkpoint_name
 
     folder = Path(folder)
     found = list_checkpoints(folder)

@@ -5,8 +5,10 @@
     olmoflow eval run --model DIR --tasks SPECS [--limit N] [--data-dir D] [--strict]
                       [--batch-size B] [--max-length L] [--out FILE.json]
 
-``--model`` is a release or Hugging Face export directory, or a training checkpoint (a step
-directory, or a folder of them: its ``latest``). SPECS are task specs (:mod:`olmoflow.eval.spec`).
+``--model`` is a release or Hugging Face export directory, a training checkpoint (a step
+directory, or a folder of them: its ``latest``), a run directory with a release, or a Hub id
+(any form :func:`olmoflow.model.load.load_model` reads). SPECS are task specs
+(:mod:`olmoflow.eval.spec`).
 Errors are :class:`~olmoflow.errors.OlmoflowError` (one line, exit status 2).
 """
 
@@ -42,11 +44,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--strict", action="store_true",
                      help="a malformed document is an error (file and line named)")
     run.add_argument("--allow-network", action="store_true",
-                     help="download a task's data when no local copy is found")
+                     help="download a task's data when no local copy is found (and a Hub "
+                     "model id the local Hugging Face cache lacks)")
     run.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     run.add_argument("--max-length", type=int,
-                     help="the model's context (default: the training sequence length its "
-                     "config.yaml records, else the model's maximum)")
+                     help="the model's context (default: the longest training sequence length "
+                     "its config.yaml records, else the model's maximum)")
     run.add_argument("--tokenizer", help="directory with tokenizer.json (default: beside the "
                      "model)")
     run.add_argument("--out", help="write the results as JSON to this file")
@@ -173,47 +176,6 @@ def eval_info(args: argparse.Namespace) -> None:
 # ---- run -----------------------------------------------------------------------------------
 
 
-def _trained_length(directory: Path) -> int | None:
-    """The evaluation length a directory's run ``config.yaml`` records (a release, a step
-    directory): ``evaluate.sequence_length``, else ``train.sequence_length``; None without."""
-    from olmoflow.config import read_yaml_mapping
-
-    cfg = directory / "config.yaml"
-    if not cfg.is_file():
-        return None
-    try:
-        tree = read_yaml_mapping(cfg)
-    except OlmoflowError:
-        return None
-    for section in ("evaluate", "train"):
-        v = (tree.get(section) or {}).get("sequence_length") if isinstance(
-            tree.get(section), dict) else None
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def load_model_dir(model: str | Path, tokenizer: str | Path | None = None):
-    """``(model, tokenizer, directory, trained_length)`` of a release / Hugging Face directory or
-    a training checkpoint (see the module docstring).
-
-    Raises:
-        OlmoflowError: no such directory, not a model, or no tokenizer found.
-    """
-    from olmoflow.release.export import find_tokenizer, load_step_model, resolve_source
-    from olmoflow.tokenizer import Tokenizer
-
-    kind, src = resolve_source(model)
-    tok = Tokenizer.from_pretrained(find_tokenizer(kind, src, tokenizer))
-    if kind == "step":
-        m = load_step_model(src, tok.vocab_size)
-    else:
-        from olmoflow.model.olmo import Olmo
-
-        m = Olmo.from_pretrained(src)
-    return m.eval(), tok, src, _trained_length(src)
-
-
 def score_model_dir(model: str | Path, specs: list[str], *, limit: int | None = None,
                     data_dir: str | None = None, strict: bool = False,
                     allow_network: bool = False, batch_size: int = 16,
@@ -224,12 +186,11 @@ def score_model_dir(model: str | Path, specs: list[str], *, limit: int | None = 
     Raises:
         OlmoflowError: a bad spec or task name, a model that does not load, missing data.
     """
-    import torch
-
     from olmoflow.eval.harness import run_tasks
     from olmoflow.eval.scorer import OlmoflowLM
     from olmoflow.eval.spec import resolve
     from olmoflow.eval.task import EvalSettings
+    from olmoflow.model.load import load_model
 
     for key, v in (("--limit", limit), ("--batch-size", batch_size), ("--max-length", max_length)):
         if v is not None and v < 1:
@@ -240,14 +201,13 @@ def score_model_dir(model: str | Path, specs: list[str], *, limit: int | None = 
     if not resolved:
         raise OlmoflowError(f"--tasks {' '.join(map(repr, specs))} names no task; give task "
                             "specs such as arc_easy,hellaswag (see 'olmoflow eval list')")
-    m, tok, src, trained = load_model_dir(model, tokenizer)
-    if torch.cuda.is_available():
-        m = m.to("cuda")
-    length = max_length or trained
-    lm = OlmoflowLM(m, tok, batch_size=batch_size, max_length=length)
+    loaded = load_model(model, tokenizer=tokenizer, device="auto",
+                        allow_network=allow_network or None)
+    length = max_length or loaded.trained_length
+    lm = OlmoflowLM(loaded.model, loaded.tokenizer, batch_size=batch_size, max_length=length)
     t0 = time.time()
     results = run_tasks(lm, [r.task() for r in resolved])
-    info = {"model": str(src), "max_length": lm.max_length, "batch_size": batch_size,
+    info = {"model": str(loaded.path), "max_length": lm.max_length, "batch_size": batch_size,
             "seconds": round(time.time() - t0, 2)}
     return resolved, results, info
 

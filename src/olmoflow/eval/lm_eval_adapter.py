@@ -2,9 +2,8 @@
 
 Importing this module registers :class:`OlmoflowLMEval` with lm-eval's model registry, so
 ``lm_eval.simple_evaluate(model="olmoflow", model_args="pretrained=DIR,max_length=256")`` runs
-any lm-eval task on an olmoflow release / Hugging Face export directory (weights through
-:meth:`olmoflow.model.olmo.Olmo.from_pretrained`, tokenizer through
-:meth:`olmoflow.tokenizer.bpe.BPETokenizer.load`), answered by the fast
+any lm-eval task on an olmoflow release / Hugging Face export directory, or any other form
+:func:`olmoflow.model.load.load_model` reads (a training checkpoint, a Hub id), answered by the fast
 :class:`~olmoflow.eval.scorer.OlmoflowLM`. :func:`main` is lm-eval's own command line with the
 model registered (lm-eval 0.4 has no plugin discovery for model types).
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own model types, before ours joins the registry)
@@ -48,7 +46,8 @@ class OlmoflowLMEval(LM):
 
     Args (lm-eval ``model_args``):
         pretrained: an olmoflow release or Hugging Face export directory (``config.json``,
-            safetensors weights, ``tokenizer.json``).
+            safetensors weights, ``tokenizer.json``), or a training checkpoint (see
+            :func:`olmoflow.model.load.load_model`).
         batch_size: sequences per forward pass (default 16; ``auto`` means the default).
         max_length: the longest sequence the model sees (default: the config's
             ``max_position_embeddings``); pass the trained context, e.g. 256 for the demo.
@@ -135,23 +134,22 @@ class OlmoflowLMEval(LM):
 
 
 def _load(pretrained: str | None, device: str, dtype: str | None):
-    """``(model, tokenizer)`` from an olmoflow release / HF export directory."""
+    """``(model, tokenizer)`` of ``pretrained`` (any form :func:`olmoflow.model.load.load_model`
+    reads)."""
     import torch
 
-    from olmoflow.model.olmo import Olmo
-    from olmoflow.tokenizer.bpe import BPETokenizer
+    from olmoflow.model.load import load_model
 
     if not pretrained:
         raise OlmoflowError("olmoflow model_args need pretrained=DIR (a release or HF export)")
-    path = Path(pretrained)
-    if not (path / "config.json").is_file():
-        raise OlmoflowError(f"pretrained={pretrained}: no config.json there (expected an "
-                            "olmoflow release or `olmoflow export hf` directory)")
     if dtype not in (None, "", "auto") and dtype not in DTYPES:
         raise OlmoflowError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     torch_dtype = getattr(torch, dtype) if dtype in DTYPES else None
-    model = Olmo.from_pretrained(path, device=device, dtype=torch_dtype)
-    return model, BPETokenizer.load(path)
+    try:
+        loaded = load_model(pretrained, device=device, dtype=torch_dtype)
+    except OlmoflowError as e:
+        raise OlmoflowError(f"pretrained={pretrained}: {e}") from None
+    return loaded.model, loaded.tokenizer
 
 
 def _generate_request(context: str, gen_kwargs: dict | None = None) -> GenerateRequest:

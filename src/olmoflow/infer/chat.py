@@ -7,8 +7,11 @@ The conversation is rendered with the model's own chat template
 streams token by token through :class:`~olmoflow.infer.streaming.IncrementalDecoder`, so no piece
 ends inside a UTF-8 character, and stops at the template's end-of-turn token or EOS.
 
-History is kept inside the context window (``model.config.max_sequence_length``, or the training
-sequence length the directory's ``config.yaml`` records, whichever is smaller): when the prompt
+The model is read by :func:`olmoflow.model.load.load_model` (a release / Hugging Face directory,
+a step directory, a run directory with a release, a Hub id). History is kept inside the context
+window (``model.config.max_sequence_length``, or the longest training sequence length the
+directory's ``config.yaml`` records, whichever is smaller:
+:attr:`olmoflow.model.load.Loaded.context_length`): when the prompt
 plus ``max_new_tokens`` would not fit, the oldest user/assistant turn pairs are dropped (the system
 message stays), as chat front ends such as ``llama.cpp``'s ``--keep`` do; the user is told once.
 A message that does not fit even alone gets a one-line notice and is not sent.
@@ -28,7 +31,6 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -245,77 +247,6 @@ def _nothing() -> Iterator[str]:
     yield from ()
 
 
-# ---- loading -------------------------------------------------------------------------------
-
-
-def _trained_length(directory: Path) -> int | None:
-    """The longest sequence the run ``config.yaml`` a directory carries (a release, a step
-    directory) trained on: ``train.sequence_length``, or a post-training stage's
-    ``<stage>.train.sequence_length`` when that stage has data and is longer (an SFT checkpoint
-    of a model pretrained on short windows was trained on its longer conversations); None
-    without one."""
-    from olmoflow.config import read_yaml_mapping
-    from olmoflow.run_dir import trained_lengths
-
-    cfg = directory / "config.yaml"
-    if not cfg.is_file():
-        return None
-    try:
-        data = read_yaml_mapping(cfg)
-    except OlmoflowError:
-        return None
-
-    found = trained_lengths(data)
-    return max(found) if found else None
-
-
-def _model_source(path: str | Path) -> tuple[str, Path]:
-    """``(kind, dir)`` as :func:`olmoflow.release.export.resolve_source`, also accepting a run
-    directory that holds a release."""
-    from olmoflow.release.export import resolve_source
-    from olmoflow.run_dir import RunDir
-
-    p = Path(path)
-    try:
-        return resolve_source(p)
-    except OlmoflowError:
-        run = RunDir.containing(p) if p.is_dir() else None
-        if run is not None and (run.stage("release") / "config.json").is_file():
-            return "hf", run.stage("release")
-        raise
-
-
-def load_chat_model(path: str | Path, *, tokenizer: str | Path | None = None,
-                    device: str | None = None) -> tuple[Any, Any, Path, int]:
-    """``(model, tokenizer, directory, max_context)`` for ``olmoflow chat``.
-
-    ``path`` is a release / Hugging Face directory, a training step directory, or a run
-    directory with a ``release/``. The tokenizer comes from ``tokenizer`` or beside the model
-    (see :func:`olmoflow.release.export.find_tokenizer`). ``max_context`` is the model's
-    ``max_sequence_length``, or the training sequence length the directory's ``config.yaml``
-    records when that is smaller (positions past it were never trained). ``device`` defaults to
-    CUDA when available, else the CPU.
-
-    Raises:
-        OlmoflowError: no such directory, not a model, no tokenizer, damaged weights.
-    """
-    from olmoflow.model.olmo import Olmo
-    from olmoflow.release.export import find_tokenizer, load_step_model
-    from olmoflow.tokenizer import Tokenizer
-
-    kind, src = _model_source(path)
-    tok = Tokenizer.from_pretrained(find_tokenizer(kind, src, tokenizer))
-    model = load_step_model(src, tok.vocab_size) if kind == "step" else Olmo.from_pretrained(src)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model = model.to(device)
-    except (RuntimeError, AssertionError) as e:  # no such device / torch built without CUDA
-        raise OlmoflowError(f"cannot use device '{device}': {str(e).splitlines()[0]}") from None
-    window = model.config.max_sequence_length
-    trained = _trained_length(src)
-    return model.eval(), tok, src, min(window, trained) if trained else window
-
-
 # ---- the command ---------------------------------------------------------------------------
 
 
@@ -388,9 +319,11 @@ def run_chat(args: argparse.Namespace, *, input_fn: Callable[[str], str] = input
         if args.max_new_tokens < 1:  # 0 would answer every message with nothing
             raise OlmoflowError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         sampling = replace(sampling, max_new_tokens=args.max_new_tokens)
-    model, tok, src, window = load_chat_model(args.model, tokenizer=args.tokenizer,
-                                              device=args.device)
-    window = args.max_context or window
+    from olmoflow.model.load import load_model
+
+    loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device or "auto")
+    model, tok, src = loaded.model, loaded.tokenizer, loaded.path
+    window = args.max_context or loaded.context_length
     if args.max_new_tokens is None:  # a small demo model's window still leaves room to talk
         sampling = replace(sampling, max_new_tokens=min(DEFAULT_SAMPLING.max_new_tokens,
                                                         window // 2))

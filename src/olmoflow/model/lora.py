@@ -467,7 +467,7 @@ def merge_lora_files(src: str | Path, out: str | Path, *, load_model: Callable[[
             materialised on CPU; its weights are overwritten by the checkpoint's).
         settings: the run's LoRA settings; default :func:`read_lora_settings` of ``src``.
         load_weights: ``(step_dir, model)`` restoring the wrapped model's weights; default
-            :func:`olmoflow.train.checkpoint.load_model` (verifies, then reads with dcp).
+            :func:`olmoflow.model.checkpoint_files.load_weights` (verifies, then reads with dcp).
     A QLoRA checkpoint merges without bitsandbytes: it holds the dequantized base, so the merged
     weights are exactly ``dequantize(base) + (alpha / r) * B @ A``, what the run computed with.
 
@@ -480,7 +480,7 @@ def merge_lora_files(src: str | Path, out: str | Path, *, load_model: Callable[[
     src, out = Path(src), Path(out)
     settings = settings if settings is not None else read_lora_settings(src)
     if load_weights is None:
-        from olmoflow.train.checkpoint import load_model as load_weights
+        from olmoflow.model.checkpoint_files import load_weights
     # A QLoRA checkpoint holds its base dequantized (see _DenseStateDict) under the keys of a
     # plain LoRA wrapping: loading it unquantized gives exactly the weights the run computed
     # with, and needs no bitsandbytes backend here.

@@ -81,8 +81,8 @@ def _advance(loader, batches: int) -> list[int]:
 def _anchor(save_folder: Path, step: int) -> tuple[int, dict[str, Any] | None]:
     """``(S, loader_state)`` of the newest checkpoint still on disk with ``S < step``; ``(0,
     None)`` when there is none (the cursor then starts at the beginning)."""
+    from olmoflow.model.checkpoint_names import list_checkpoints, parse_checkpoint_name
     from olmoflow.train.checkpoint import read_trainer_state
-    from olmoflow.train.checkpoint_names import list_checkpoints, parse_checkpoint_name
 
     before = [p for p in list_checkpoints(save_folder) if parse_checkpoint_name(p.name) < step]
     if not before:

@@ -104,11 +104,11 @@ def reproduce(run: str | Path, checkpoint: str, steps: int,
         OlmoflowError: not a run directory; no such checkpoint or a damaged one; ``steps`` < 1;
             no logged step within the replayed ones; bad overrides.
     """
+    from olmoflow.model.checkpoint_names import parse_checkpoint_name
     from olmoflow.pipeline.config import load_config
     from olmoflow.pipeline.stages.train import PRETRAIN, pretrain_parts
     from olmoflow.run_dir import RunDir, require_run_dir
     from olmoflow.train.checkpoint import resolve_checkpoint
-    from olmoflow.train.checkpoint_names import parse_checkpoint_name
     from olmoflow.train.trainer import Trainer
 
     run = Path(run)

@@ -83,7 +83,8 @@ def release_checkpoints(runs: RunDir, tokenizers: dict[str, tuple[Any, Path]], o
     Raises:
         OlmoflowError: a checkpoint that does not load or whose files changed since it was saved.
     """
-    from olmoflow.release.export import load_step_model, write_model_dir
+    from olmoflow.model.load import load_model
+    from olmoflow.release.export import write_model_dir
     from olmoflow.train.checkpoint_verify import verify_checkpoint
 
     entries = kept_checkpoints(runs, list(tokenizers))
@@ -91,8 +92,8 @@ def release_checkpoints(runs: RunDir, tokenizers: dict[str, tuple[Any, Path]], o
         e.checkpoint_bytes = _dir_bytes(e.source)
         if include:
             dst = out / "checkpoints" / e.name
-            tok, tok_dir = tokenizers[e.stage]  # load_step_model verifies its files first
-            write_model_dir(load_step_model(e.source, tok.vocab_size), dst, tok_dir, tok=tok,
+            tok, tok_dir = tokenizers[e.stage]  # load_model verifies its files first
+            write_model_dir(load_model(e.source, tokenizer=tok).model, dst, tok_dir, tok=tok,
                             manifest={"command": "olmoflow release", "stage": e.stage,
                                       "source": str(e.source.resolve()), "source_kind": "step"})
             e.path = dst.relative_to(out).as_posix()

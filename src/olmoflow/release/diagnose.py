@@ -251,25 +251,6 @@ def reinit_flagged(model: nn.Module, names: list[str], *, init_std: float,
     return done
 
 
-def load_for_diagnosis(path: str | Path) -> tuple[nn.Module, str, Path]:
-    """``(model, kind, dir)`` for a training step directory (``kind == "step"``, its folder with
-    a ``latest`` pointer, or a LoRA run's checkpoint, merged) or a Hugging Face directory
-    (``"hf"``), loaded on CPU in the stored dtype.
-
-    Raises:
-        OlmoflowError: not a checkpoint, no tokenizer to size a step's vocabulary, damaged files.
-    """
-    from olmoflow.model.olmo import Olmo
-    from olmoflow.release.export import find_tokenizer, load_step_model, resolve_source
-    from olmoflow.tokenizer import Tokenizer
-
-    kind, src = resolve_source(path)
-    if kind == "hf":
-        return Olmo.from_pretrained(src), kind, src
-    vocab = Tokenizer.from_pretrained(find_tokenizer(kind, src)).vocab_size
-    return load_step_model(src, vocab), kind, src
-
-
 def format_table(reports: list[TensorReport], *, all_tensors: bool = False) -> str:
     """A fixed-width table of the reports (only the flagged ones unless ``all_tensors``)."""
     rows = [r for r in reports if all_tensors or r.flagged]

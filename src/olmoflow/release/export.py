@@ -4,22 +4,14 @@ The output loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
 ``Olmo3ForCausalLM`` (``Olmo2ForCausalLM`` when the model has no sliding windows) and with
 ``AutoTokenizer.from_pretrained(OUT)`` giving the same token ids as olmoflow's tokenizer.
 
-Accepted sources:
-
-- a checkpoint directory of a run (``run_dir/pretrain/stage1-step450-tokens2M``, or the older
-  ``stepN``: ``config.yaml`` + ``model_and_optim/`` written by :mod:`olmoflow.train.checkpoint`);
-- a checkpoint folder with a ``latest`` pointer (``run_dir/pretrain``), or that pointer itself
-  (``run_dir/pretrain/latest``): the checkpoint it names;
-- a Hugging Face directory (e.g. a release): re-exported, optionally in another dtype.
-
-The tokenizer comes from ``--tokenizer`` when given; for a step directory, else from the tokens
-directories the checkpoint's config trained on (``train.data``), else from the run's tokenizer
-stage, else its release (the run directory is the step directory's grandparent, laid out as
-:class:`olmoflow.run_dir.RunDir` says); for a Hugging Face directory, from the directory itself.
-The tokenizer's files are copied as they are, its chat template included: ``chat_template.jinja``
-and the ``chat_template`` key of ``tokenizer_config.json`` are both written when either is there
-(``transformers`` prefers the ``.jinja`` file), so ``apply_chat_template`` on the export gives
-the ids :func:`olmoflow.posttrain.chat_template.render` gives.
+Sources are any form :func:`olmoflow.model.load.load_model` reads (a step directory, a folder of
+checkpoints or its ``latest``, a Hugging Face directory such as a release, re-exported optionally
+in another dtype, a run directory with a release, a Hub id), with the tokenizer it finds
+(``--tokenizer`` overrides it). The tokenizer's files are copied as they are, its chat template
+included: ``chat_template.jinja`` and the ``chat_template`` key of ``tokenizer_config.json`` are
+both written when either is there (``transformers`` prefers the ``.jinja`` file), so
+``apply_chat_template`` on the export gives the ids
+:func:`olmoflow.posttrain.chat_template.render` gives.
 The directory is assembled under a temporary name beside ``OUT`` and renamed onto it when complete.
 """
 
@@ -27,144 +19,15 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from olmoflow.artifacts import atomic_write_json, atomic_write_text, data_files, now, sha256_file
-from olmoflow.config import from_dict, read_yaml_mapping
 from olmoflow.errors import OlmoflowError
-from olmoflow.run_dir import RunDir
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def _is_step_dir(p: Path) -> bool:
-    return (p / "model_and_optim").is_dir() and (p / "config.yaml").is_file()
-
-
-def resolve_source(checkpoint: str | Path) -> tuple[str, Path]:
-    """``("step", dir)`` for a training step directory, ``("hf", dir)`` for a Hugging Face one.
-
-    Raises:
-        OlmoflowError: the path is missing or is neither kind.
-    """
-    p = Path(checkpoint)
-    if not p.exists():
-        raise OlmoflowError(f"checkpoint '{p}' does not exist")
-    if p.is_file() and p.name == "latest":  # run_dir/pretrain/latest: the pointer it holds
-        p = p.parent
-    if not p.is_dir():
-        raise OlmoflowError(f"checkpoint '{p}' is not a directory (expected a checkpoint "
-                            "directory such as run_dir/pretrain/stage1-step450-tokens2M)")
-    if _is_step_dir(p):
-        return "step", p
-    if (p / "latest").is_file():
-        step = p / (p / "latest").read_text().strip()
-        if _is_step_dir(step):
-            return "step", step
-    if (p / "config.json").is_file():
-        return "hf", p
-    raise OlmoflowError(f"'{p}' is not a checkpoint: expected a step directory with config.yaml "
-                        "and model_and_optim/ (e.g. run_dir/pretrain/stage1-step450-tokens2M) or a "
-                        "Hugging Face directory")
-
-
-def _step_config(step: Path) -> dict:
-    """The raw run config saved in a step directory (``config.yaml``)."""
-    return read_yaml_mapping(step / "config.yaml")
-
-
-def _trained_on_tokenizers(step: Path) -> list[Path]:
-    """The tokenizer directories of the tokens directories a step was trained on (``train.data``
-    in its config; none when it trained on its run's own tokens)."""
-    from olmoflow.data.tokenize import open_token_dir
-
-    train = _step_config(step).get("train")
-    data = train.get("data") if isinstance(train, dict) else None
-    dirs = [data] if isinstance(data, str) else list(data or [])
-    found = []
-    for d in dirs:
-        try:
-            found.append(open_token_dir(d).tokenizer_dir)
-        except OlmoflowError:  # moved or deleted since; the other candidates may still hold one
-            continue
-    return found
-
-
-def find_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None) -> Path:
-    """The directory holding ``tokenizer.json`` for ``src`` (the module docstring gives the
-    order).
-
-    Raises:
-        OlmoflowError: none found (the message lists where it looked).
-    """
-    if tokenizer is not None:
-        cands = [Path(tokenizer)]
-    elif kind == "step":
-        runs = RunDir(src.resolve().parent.parent)
-        # a post-training stage keeps its own tokenizer (chat template, added tokens) beside
-        # its checkpoints
-        cands = [src.parent / "tokenizer", *_trained_on_tokenizers(src),
-                 runs.stage("train-tokenizer"), runs.stage("release")]
-    else:
-        cands = [src]
-    for c in cands:
-        if (c / "tokenizer.json").is_file():
-            return c
-    raise OlmoflowError(f"no tokenizer.json in {', '.join(repr(str(c)) for c in cands)}; "
-                        "pass --tokenizer DIR")
-
-
-def load_step_model(step: Path, tokenizer_vocab: int):
-    """The :class:`Olmo` of a step directory: the shape of the ``model`` section of its
-    ``config.yaml`` (vocab padded from ``tokenizer_vocab`` when it says 0), weights from
-    ``model_and_optim/`` (built on meta, then materialised once on CPU in fp32). The checkpoint
-    of a LoRA run (``lora.json`` beside it) is loaded into the wrapped model and its adapters
-    merged, so the model returned is a plain :class:`Olmo`.
-
-    Raises:
-        OlmoflowError: the config has no valid model section, or the weights do not load.
-    """
-    from olmoflow.model.config import ModelConfig
-    from olmoflow.model.olmo import Olmo
-    from olmoflow.train.checkpoint import load_model
-
-    tree = _step_config(step)
-    if not isinstance(tree.get("model"), dict):
-        raise OlmoflowError(f"{step / 'config.yaml'}: no 'model' section; not a checkpoint's "
-                            "config")
-    mc = from_dict(ModelConfig, tree["model"], "model.")
-    if mc.vocab_size <= 0:
-        mc = replace(mc, vocab_size=mc.padded_vocab_size(tokenizer_vocab))
-    with torch.device("meta"):
-        model = Olmo(mc)
-    model = model.to_empty(device="cpu")
-    lora = lora_settings_of(step)
-    if lora is not None:  # a LoRA run's checkpoint holds the wrapped model: wrap, load, merge
-        from olmoflow.model.lora import apply_lora
-
-        model = apply_lora(model, replace(lora, quantize=None))
-    try:
-        load_model(step, model)
-    except Exception as e:  # dcp raises a variety of errors for damaged or mismatched checkpoints
-        raise OlmoflowError(f"cannot load the weights of '{step}': "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if lora is not None:
-        from olmoflow.model.lora import merge_lora
-
-        model = merge_lora(model)
-    return model.eval()
-
-
-def lora_settings_of(step: Path):
-    """The :class:`~olmoflow.model.lora.LoraSettings` a LoRA run recorded beside its checkpoint
-    (``lora.json``), or None for a checkpoint of every weight."""
-    from olmoflow.model.lora import find_lora_settings, read_lora_settings
-
-    return read_lora_settings(step) if find_lora_settings(step) is not None else None
 
 
 def _copy_tokenizer_files(tok_dir: Path, out: Path, skip: set[str]) -> list[Path]:
@@ -216,41 +79,20 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     """
     if dtype is not None and dtype not in DTYPES:
         raise OlmoflowError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
+    from olmoflow.model.load import load_model, resolve_source
+
     kind, src = resolve_source(checkpoint)
-    out = check_output(out, kind, src, force)
-    model, tok, tok_dir = load_with_tokenizer(kind, src, tokenizer)
-    return write_model_dir(model, out, tok_dir, dtype=dtype, tok=tok, manifest={
-        "command": "olmoflow export hf", "source": str(src.resolve()), "source_kind": kind})
-
-
-def load_with_tokenizer(kind: str, src: Path, tokenizer: str | Path | None = None):
-    """``(model, tokenizer, tokenizer directory)`` of a source :func:`resolve_source` found: the
-    tokenizer from ``tokenizer`` or beside the model (:func:`find_tokenizer`), the model of a
-    step directory sized by it (:func:`load_step_model`) or a Hugging Face directory's.
-
-    Raises:
-        OlmoflowError: no tokenizer, weights that do not load, or a model vocabulary smaller than
-            the tokenizer's.
-    """
-    from olmoflow.tokenizer import Tokenizer
-
-    tok_dir = find_tokenizer(kind, src, tokenizer)
-    tok = Tokenizer.from_pretrained(tok_dir)
-    if kind == "step":
-        model = load_step_model(src, tok.vocab_size)
-    else:
-        from olmoflow.model.olmo import Olmo
-
-        model = Olmo.from_pretrained(src)
-    if model.config.vocab_size < tok.vocab_size:
-        raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
-                            f"tokenizer's ({tok.vocab_size}) in '{tok_dir}'")
-    return model, tok, tok_dir
+    out = check_output(out, kind, src, force)  # before the (slow) load
+    loaded = load_model(src, tokenizer=tokenizer)
+    return write_model_dir(loaded.model, out, loaded.tokenizer_dir, dtype=dtype,
+                           tok=loaded.tokenizer, manifest={
+                               "command": "olmoflow export hf", "source": str(src.resolve()),
+                               "source_kind": kind})
 
 
 def check_output(out: str | Path, kind: str, src: Path, force: bool) -> Path:
     """``out`` as a path, checked as the destination of a model directory written from the
-    checkpoint ``src`` (``kind`` as :func:`resolve_source` says).
+    checkpoint ``src`` (``kind`` as :func:`olmoflow.model.load.resolve_source` says).
 
     Raises:
         OlmoflowError: ``out`` is non-empty without ``force``; it is, holds or lies inside the

@@ -264,7 +264,7 @@ def write_gguf(model, tok, tok_dir: Path, out: Path, *, dtype: str = "f16",
 
 def check_output_file(out: str | Path, kind: str, src: Path, force: bool) -> Path:
     """``out`` as a path, checked as the destination of a GGUF file exported from the checkpoint
-    ``src`` (``kind`` as :func:`olmoflow.release.export.resolve_source` says).
+    ``src`` (``kind`` as :func:`olmoflow.model.load.resolve_source` says).
 
     Raises:
         OlmoflowError: ``out`` is a directory; it exists without ``force``; it lies inside the
@@ -294,7 +294,7 @@ def export_gguf(source: str | Path, out: str | Path, *, dtype: str = "f16",
 
     Args:
         source: a step directory, a checkpoint folder with ``latest``, or a Hugging Face
-            directory (a release), as :func:`olmoflow.release.export.resolve_source` accepts.
+            directory (a release), as :func:`olmoflow.model.load.load_model` accepts.
         out: the file to write; it must not exist unless ``force``.
         dtype: ``f32``, ``f16`` (default) or ``q8_0`` for the 2-D weights (norms stay f32).
         tokenizer: directory with ``tokenizer.json`` (default: found as ``export hf`` finds it).
@@ -303,13 +303,14 @@ def export_gguf(source: str | Path, out: str | Path, *, dtype: str = "f16",
         OlmoflowError: an unknown dtype, bad paths, a checkpoint that does not load, a model
             vocabulary smaller than the tokenizer's, or what :func:`write_gguf` raises.
     """
-    from olmoflow.release.export import load_with_tokenizer, resolve_source
+    from olmoflow.model.load import load_model, resolve_source
 
     if dtype not in GGUF_DTYPES:
         raise OlmoflowError(f"unknown GGUF dtype '{dtype}'; valid: {', '.join(GGUF_DTYPES)}")
     _import_gguf()
     kind, src = resolve_source(source)
     out = check_output_file(out, kind, src, force)
-    model, tok, tok_dir = load_with_tokenizer(kind, src, tokenizer)
+    loaded = load_model(src, tokenizer=tokenizer)
     name = src.parent.parent.name if kind == "step" else src.resolve().name
-    return write_gguf(model, tok, tok_dir, out, dtype=dtype, name=name or "olmoflow")
+    return write_gguf(loaded.model, loaded.tokenizer, loaded.tokenizer_dir, out, dtype=dtype,
+                      name=name or "olmoflow")

@@ -386,7 +386,7 @@ def _verify_checkpoints(release: Path, report: VerifyReport,
     """Referenced checkpoints (a path in the run, not a folder in the bundle) that still exist
     are checked against their ``checksums.json``, whose sha256 must be the one
     ``checkpoints.csv`` records."""
-    from olmoflow.train.checkpoint_verify import CHECKSUMS, verify_checkpoint
+    from olmoflow.model.checkpoint_files import CHECKSUMS, verify_checkpoint
 
     root = _run_root(release)
     if root is None:

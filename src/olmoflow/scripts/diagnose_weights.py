@@ -59,22 +59,24 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         OlmoflowError: bad settings or paths, a checkpoint that does not load.
     """
+    from olmoflow.model.load import load_model
     from olmoflow.release.diagnose import (
         DiagnoseSettings,
         diagnose_model,
         format_table,
-        load_for_diagnosis,
         reinit_flagged,
         report_dict,
         write_json,
     )
-    from olmoflow.release.export import check_output, find_tokenizer, write_model_dir
+    from olmoflow.release.export import check_output, write_model_dir
 
     settings = DiagnoseSettings(k=args.k, threshold=args.threshold, dead_tol=args.dead_tol,
                                 sibling_factor=args.sibling_factor)
     if args.json and Path(args.json).exists() and not args.force:
         raise OlmoflowError(f"--json '{args.json}' exists; pass --force to replace it")
-    model, kind, src = load_for_diagnosis(args.checkpoint)
+    # on the CPU in the stored dtype; a Hugging Face directory needs no tokenizer to be diagnosed
+    loaded = load_model(args.checkpoint, need_tokenizer=False)
+    model, kind, src = loaded.model, loaded.kind, loaded.path
     out = check_output(args.reinit, kind, src, args.force) if args.reinit else None
     reports = diagnose_model(model, settings)
     flagged = [r.name for r in reports if r.flagged]
@@ -91,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
             print("nothing flagged: --reinit wrote nothing")
         else:
             reinit_flagged(model, flagged, init_std=model.config.init_std, seed=args.seed)
-            write_model_dir(model, out, find_tokenizer(kind, src), manifest={
+            if loaded.tokenizer_dir is None:
+                raise OlmoflowError(f"no tokenizer.json in '{src}': --reinit writes a model "
+                                    "directory, tokenizer included")
+            write_model_dir(model, out, loaded.tokenizer_dir, tok=loaded.tokenizer, manifest={
                 "command": "olmoflow diagnose --reinit", "source": str(src.resolve()),
                 "source_kind": kind, "reinitialised": flagged, "seed": args.seed})
             print(f"re-initialised {len(flagged)} tensor(s); wrote {out}")

@@ -160,7 +160,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from olmoflow.infer.chat import load_chat_model, resolve_template
+    from olmoflow.infer.chat import resolve_template
+    from olmoflow.model.load import load_model
     from olmoflow.serve.app import build_app
     from olmoflow.serve.engine import Engine
     from olmoflow.serve.limits import Limits
@@ -171,8 +172,9 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     engine = None
     try:
-        model, tok, src, window = load_chat_model(args.model, tokenizer=args.tokenizer,
-                                                  device=args.device)
+        loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device or "auto")
+        model, tok, src, window = (loaded.model, loaded.tokenizer, loaded.path,
+                                   loaded.context_length)
         if args.max_context is not None:
             if args.max_context > model.config.max_sequence_length:
                 raise OlmoflowError(f"--max-context {args.max_context} is over the model's "

@@ -1,7 +1,7 @@
 """Training checkpoints named like OLMo's, an index of them, and a pruning policy.
 
 A checkpoint is a directory ``save_folder/{stage}-step{N}-tokens{T}`` (``stage1-step1000-tokens5M``;
-see :mod:`olmoflow.train.checkpoint_names`) holding model and optimizer state through
+see :mod:`olmoflow.model.checkpoint_names`) holding model and optimizer state through
 ``torch.distributed.checkpoint`` (so a run saved on N processes loads on M) in ``model_and_optim/``,
 the trainer state (step, tokens seen, data-loader cursor, every RNG state, scheduler and optimizer
 extras) in ``trainer_state.pt``, and the resolved run config in ``config.yaml``. Directories of the
@@ -11,7 +11,7 @@ The trainer state holds plain data only (tensors, numbers, strings, lists and di
 as tensors) and is read with ``torch.load(weights_only=True)``, so a crafted ``trainer_state.pt``
 cannot run code. ``torch.distributed.checkpoint`` reads its ``.metadata`` with ``pickle``, though:
 ``checksums.json``, written last before the rename, records the sha256 of every other file, and
-every load checks the whole directory against it first (:mod:`olmoflow.train.checkpoint_verify`).
+every load checks the whole directory against it first (:mod:`olmoflow.model.checkpoint_files`).
 That detects corruption and edits, not a malicious checkpoint whose author recomputed the hashes:
 a checkpoint directory is trusted input (a release directory, safetensors + JSON, is safe from
 anyone).
@@ -41,32 +41,30 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
 from olmoflow.artifacts import atomic_write_text, remove_stale_temporaries
 from olmoflow.disk import writing
 from olmoflow.errors import OlmoflowError
-from olmoflow.train import distributed
-from olmoflow.train.checkpoint_names import (  # re-exported: the names a checkpoint user needs
+from olmoflow.model.checkpoint_files import (
+    _dcp_load,
+    _other_checkpoint_hint,
+    _unreadable,
+    write_checksums,
+)
+from olmoflow.model.checkpoint_names import (  # re-exported: the names a checkpoint user needs
     _NAME,
     TRAINER_STATE,
     checkpoint_name,
     list_checkpoints,
     parse_checkpoint_name,
 )
-from olmoflow.train.checkpoint_verify import (
-    _other_checkpoint_hint,
-    _unreadable,
-    verify_checkpoint,
-    write_checksums,
-)
+from olmoflow.train import distributed
+from olmoflow.train.checkpoint_verify import verify_checkpoint
 
 LATEST = "latest"
 INDEX = "checkpoints.csv"
@@ -468,17 +466,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise _unreadable(path, TRAINER_STATE, e) from None
 
 
-def _dcp_load(path: Path, state: dict[str, Any], set_state, *, no_dist: bool = False) -> None:
-    """``dcp.load`` into ``state`` then ``set_state(state)``; a damaged or mismatched checkpoint
-    (missing shard or metadata, truncated file, other shapes or names) is one OlmoflowError.
-    ``no_dist``: this process loads alone, even inside a process group (no collectives)."""
-    try:
-        dcp.load(state, checkpoint_id=str(Path(path) / "model_and_optim"), no_dist=no_dist)
-        set_state(state)
-    except (Exception, CheckpointException) as e:  # dcp's wrapper is a BaseException
-        raise _unreadable(path, "model_and_optim", e) from None
-
-
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, *,
                     verify: bool = True) -> dict[str, Any]:
     """Restore model, optimizer and RNG states from ``path``; return the trainer state.
@@ -504,20 +491,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, *,
                                         optim_state_dict=st["optim"], options=options))
     set_rng_state(trainer_state.pop("rng"))
     return trainer_state
-
-
-def load_model(path: Path, model: torch.nn.Module) -> None:
-    """Restore only the model weights from a checkpoint directory (evaluation, export, release).
-
-    Raises:
-        OlmoflowError: the checkpoint is damaged, was changed since it was saved (see
-            :func:`verify_checkpoint`) or holds another model's weights.
-    """
-    # Evaluation, generation and release run on rank 0 alone under torchrun while the other ranks
-    # wait: a collective dcp.load would deadlock there, so this whole-model load never uses one.
-    verify_checkpoint(path)
-    _dcp_load(path, {"model": get_model_state_dict(model)},
-              lambda st: set_model_state_dict(model, st["model"]), no_dist=True)
 
 
 def step_and_tokens(path: Path) -> tuple[int, int]:

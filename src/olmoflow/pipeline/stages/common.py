@@ -180,12 +180,12 @@ def stage_tokenizer(cfg: RunConfig, stage: str):
 
 def load_trained_model(cfg: RunConfig, stage: str | None = None):
     """The model at the final checkpoint (``latest``) of training stage ``stage`` (default: the
-    run's last enabled one, :func:`final_model_stage`), with that stage's tokenizer;
-    ``(model, tokenizer, path)``."""
-    from olmoflow.release.export import load_step_model
+    run's last enabled one, :func:`final_model_stage`), with that stage's tokenizer, read by
+    the one loader (:func:`olmoflow.model.load.load_model`); ``(model, tokenizer, path)``."""
+    from olmoflow.model.load import load_model
     from olmoflow.train.checkpoint import resolve_checkpoint
 
     stage = stage or final_model_stage(cfg)
     tok = stage_tokenizer(cfg, stage)
     path = resolve_checkpoint(stage_dir(cfg, stage), "latest")
-    return load_step_model(path, tok.vocab_size), tok, path
+    return load_model(path, tokenizer=tok).model, tok, path

@@ -99,13 +99,13 @@ def _score_tasks(cfg: RunConfig, tok: Any, out: Path, progress: bool, specs: lis
 
     from olmoflow.eval.checkpoints import ResultCache, directory_hash, score_checkpoints
     from olmoflow.eval.scorer import OlmoflowLM
-    from olmoflow.release.export import load_step_model
+    from olmoflow.model.load import load_model
 
     e = cfg.evaluate
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def load(ckpt):
-        model = load_step_model(ckpt.path, tok.vocab_size).to(device)
+        model = load_model(ckpt.path, tokenizer=tok, device=device).model
         return OlmoflowLM(model, tok, batch_size=e.batch_size, max_length=cfg.eval_sequence_length)
 
     # a rerun's previous output is set aside by the runner: its cached results are still good

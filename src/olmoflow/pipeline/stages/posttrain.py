@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from olmoflow.artifacts import StageResult, data_files
 from olmoflow.errors import OlmoflowError
+from olmoflow.model.load import Loaded, load_model
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.models import previous_model_stage
 from olmoflow.pipeline.stage import PREVIOUS_MODEL, Makes, Stage, Trains
@@ -28,23 +28,10 @@ from olmoflow.train.config import bookkeeping_keys
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class Base:
-    """A post-training stage's starting model.
 
-    Attributes:
-        model: the :class:`~olmoflow.model.olmo.Olmo`, fp32, on the CPU.
-        tokenizer: its tokenizer (as saved with it).
-        path: the checkpoint or Hugging Face directory it was read from.
-        kind: ``"step"`` (a training checkpoint) or ``"hf"``.
-        files: the files read (their sha256 go into the manifest).
-    """
-
-    model: Any
-    tokenizer: Any
-    path: Path
-    kind: str
-    files: list[Path]
+#: a post-training stage's starting model: what the one loader read (model, tokenizer, path,
+#: kind, and the files read, whose sha256 go into the manifest).
+Base = Loaded
 
 
 def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
@@ -54,10 +41,8 @@ def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
         OlmoflowError: no such checkpoint, directory or cached Hub id; the previous stage has no
             checkpoint yet (the message names it); weights that do not load.
     """
-    from olmoflow.model.hub import resolve_pretrained
-    from olmoflow.model.olmo import Olmo
-    from olmoflow.release.export import find_tokenizer, load_step_model, resolve_source
-    from olmoflow.tokenizer import tokenizer_class
+    import torch
+
     from olmoflow.train.checkpoint import resolve_checkpoint
 
     spec = getattr(cfg, stage).base if spec is None else spec
@@ -70,18 +55,9 @@ def load_base(cfg: RunConfig, stage: str, spec: str | None = None) -> Base:
             raise OlmoflowError(f"{stage}: no model to start from: '{folder}' has no checkpoint; "
                                 f"run 'olmoflow {prev}' first or set {stage}.base to a "
                                 "checkpoint, Hugging Face directory or Hub id") from None
-        kind = "step"
     else:
-        kind, path = resolve_source(resolve_pretrained(spec))
-    tok_dir = find_tokenizer(kind, path)
-    tok = tokenizer_class(cfg.tokenizer.implementation).load(tok_dir)
-    model = (load_step_model(path, tok.vocab_size) if kind == "step"
-             else Olmo.from_pretrained(path, dtype=None))
-    model = model.float()
-    files = data_files(path)
-    read = set(files)  # a release directory holds the weights and the tokenizer both
-    files += [f for f in data_files(tok_dir) if f not in read]
-    return Base(model, tok, path, kind, files)
+        path = spec  # a checkpoint, a Hugging Face directory or a Hub id
+    return load_model(path, implementation=cfg.tokenizer.implementation, dtype=torch.float32)
 
 
 # Plain text, code, non-ASCII and whitespace runs: two tokenizers that agree on all of it (and on
