@@ -11,7 +11,8 @@ every checkpoint form. Accepted forms (:func:`resolve_source`):
   ``model`` section of its ``config.yaml`` with the vocabulary sized from the tokenizer, and the
   checkpoint of a LoRA run (``lora.json`` beside it) is loaded wrapped and its adapters merged;
 - a folder of checkpoints with a ``latest`` pointer (``run_dir/pretrain``), or the pointer itself;
-- a Hugging Face directory (a release, an export);
+- a Hugging Face directory (a release, an export): its ``config.json`` and
+  ``generation_config.json`` are checked (:mod:`olmoflow.model.hf_settings`);
 - a run directory that holds a release (``runs/demo``): its ``release/``;
 - a Hub id (``allenai/OLMo-2-0425-1B``): its snapshot in the local Hugging Face cache, or
   downloaded where the user allows network access (:mod:`olmoflow.model.hub`).
@@ -280,7 +281,8 @@ def load_model(path: str | Path, *, tokenizer: Any = None, device: str | torch.d
         A :class:`Loaded`.
     Raises:
         OlmoflowError: bad paths, no tokenizer, a tokenizer file that is not what it should be,
-            damaged or changed weights, a model vocabulary smaller than the tokenizer's, or a
+            damaged or changed weights, a model vocabulary smaller than the tokenizer's, bad
+            generation settings (:func:`olmoflow.model.hf_settings.check_hf_settings`), or a
             device this torch cannot use.
     """
     from olmoflow.tokenizer import Tokenizer, tokenizer_class
@@ -302,9 +304,11 @@ def load_model(path: str | Path, *, tokenizer: Any = None, device: str | torch.d
     if kind == STEP:
         model = load_step_model(src, tok.vocab_size)
     else:
+        from olmoflow.model.hf_settings import check_hf_settings
         from olmoflow.model.olmo import Olmo
 
         model = Olmo.from_pretrained(src, dtype=dtype)
+        check_hf_settings(src, model.config.vocab_size)
     if tok is not None and model.config.vocab_size < tok.vocab_size:
         raise OlmoflowError(f"the model's vocab ({model.config.vocab_size}) is smaller than the "
                             f"tokenizer's ({tok.vocab_size}) in '{tok_dir or src}'")

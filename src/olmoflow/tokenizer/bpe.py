@@ -26,6 +26,7 @@ template ``chat_template.jinja`` (also under ``chat_template`` in ``tokenizer_co
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,6 +45,8 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+log = logging.getLogger(__name__)
 
 # cl100k's split as the ``tokenizers`` library (Oniguruma) spells it in the tokenizer.json of
 # dolma2 and of Llama 3 (tiktoken's current copy is a later, possessive spelling of it).
@@ -280,7 +283,10 @@ class BPETokenizer(BaseTokenizer):
 
         Raises:
             OlmoflowError: the path or ``tokenizer.json`` is missing or unreadable, its token ids
-                run far past its number of tokens, or the EOS token is not in the vocabulary.
+                run far past its number of tokens, the EOS token is not in the vocabulary, or
+                ``tokenizer_config.json`` / ``special_tokens_map.json`` is not a JSON object or
+                names a special token that is not a string (the file and the key named). A
+                ``model_max_length`` that is not a positive number is ignored with a warning.
         """
         p = Path(path_or_dir)
         if not p.exists():
@@ -305,6 +311,10 @@ class BPETokenizer(BaseTokenizer):
         if tok.token_to_id(pad) is None:
             pad = eos  # common for released models without a pad token
         max_len = config.get("model_max_length")
+        if max_len is not None and not (isinstance(max_len, int | float)
+                                        and not isinstance(max_len, bool) and max_len > 0):
+            log.warning("%s: model_max_length=%s is not a positive number; ignored",
+                        d / CONFIG_FILE, _short(max_len))
         bos = _token_str(config.get("bos_token"))
         if bos is not None and tok.token_to_id(bos) is None:
             bos = None
@@ -354,7 +364,28 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise OlmoflowError(f"cannot read {path}: {e}") from None
     except RecursionError:  # json's decoder recurses per nesting level
         raise OlmoflowError(f"cannot read {path}: JSON nested too deeply") from None
-    return obj if isinstance(obj, dict) else {}
+    if not isinstance(obj, dict):  # transformers cannot read it either
+        kind = "null" if obj is None else type(obj).__name__
+        raise OlmoflowError(f"{path}: expected a JSON object of tokenizer settings, found a "
+                            f"{kind}")
+    for key in _TOKEN_KEYS:
+        value = obj.get(key)
+        content = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(content, str):
+            raise OlmoflowError(f"{path}: {key}={_short(value)} is not a token (expected a "
+                                "string, an AddedToken object with a 'content' string, or null)")
+    return obj
+
+
+# The special tokens a tokenizer config names; olmoflow reads EOS, pad and BOS from them.
+_TOKEN_KEYS = ("eos_token", "pad_token", "bos_token", "unk_token")
+
+
+def _short(value: Any) -> str:
+    """``value`` as JSON, cut to one short line for an error message."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 
 def _read_chat_template(d: Path, config: dict[str, Any]) -> str | None:
