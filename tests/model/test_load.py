@@ -209,3 +209,21 @@ def test_resolve_source_names_the_kind(run):
     assert resolve_source(run.step) == ("step", run.step)
     assert resolve_source(run.root / "pretrain" / "latest") == ("step", run.step)
     assert resolve_source(run.root) == ("hf", run.release)
+
+
+def test_the_lm_eval_adapter_takes_every_form(run):
+    """lm-eval's ``olmoflow`` model type reads through the one loader: a training checkpoint
+    scores as its release does (it used to need a config.json)."""
+    adapter = pytest.importorskip("olmoflow.eval.lm_eval_adapter",
+                                  reason="lm-eval is an optional dependency")
+    from olmoflow.eval.requests import LoglikelihoodRequest
+
+    request = [LoglikelihoodRequest("def main():\n    return", " 0")]
+    scores = []
+    for path in (run.step, run.release):
+        lm = adapter.OlmoflowLMEval(pretrained=str(path), device="cpu", max_length=TRAINED)
+        same_weights(lm.scorer.model, run.model)
+        scores.append(lm.scorer.loglikelihood(request)[0].logprob)
+    assert scores[0] == scores[1]  # the same weights through the same code path
+    with pytest.raises(OlmoflowError, match="no config.json"):
+        adapter.OlmoflowLMEval(pretrained=str(run.root / "tokenizer"))
