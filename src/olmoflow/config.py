@@ -139,7 +139,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(coerce(v, args[0], key) for v in value)
         if args and len(args) != len(value):
-            raise OlmoflowError(f"config key '{key}' expects {len(args)} values, got {shown(value)}")
+            raise OlmoflowError(f"config key '{key}' expects {len(args)} values, "
+                                f"got {shown(value)}")
         return tuple(coerce(v, a, key) for v, a in zip(value, args or [Any] * len(value)))
     if origin is dict or tp is Any:
         if origin is dict and not isinstance(value, dict):

@@ -167,7 +167,7 @@ def test_a_member_too_large_to_hold_is_decoded_twice_in_bounded_memory(tmp_path)
 
 def test_the_engine_report_names_unverifiable_input(tmp_path):
     from olmoflow.data.engine import Engine, load_data_config
-    from olmoflow.data.report import report, step_manifests
+    from olmoflow.data.engine.report import report, step_manifests
 
     (tmp_path / "in").mkdir()
     zst = tmp_path / "in" / "b.jsonl.zst"

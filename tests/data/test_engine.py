@@ -245,7 +245,7 @@ class Shouting(Tagger):
 
 def test_a_user_tagger_from_a_plugin_file_runs_in_the_workers(tmp_path):
     from olmoflow.data.engine import Engine
-    from olmoflow.data.report import step_manifests
+    from olmoflow.data.engine.report import step_manifests
 
     plugin = tmp_path / "shout.py"
     plugin.write_text(SHOUTING)
@@ -295,7 +295,7 @@ def markers(run: Path) -> dict[str, float]:
 
 
 def test_force_reruns_every_shard_of_every_step(tmp_path):
-    from olmoflow.data.engine import STEPS, Engine
+    from olmoflow.data.engine import STEP_NAMES, Engine
 
     cfg = small_run(tmp_path)
     ev = tmp_path / "eval.jsonl"
@@ -305,10 +305,10 @@ def test_force_reruns_every_shard_of_every_step(tmp_path):
                           "fields: [q]}}, ngram: 5, action: tag}\n")
     run = tmp_path / "run"
     first = Engine(load_data_config(cfg)).run()
-    assert [o.step for o in first] == list(STEPS)
+    assert [o.step for o in first] == list(STEP_NAMES)
     before, tokens = markers(run), digests(run / "tokens")
     # Markers live where --force looks: the engine's step names, not the modules' set names.
-    assert {k.split("/")[1] for k in before if k.startswith(".done/")} == set(STEPS) - {"mix"}
+    assert {k.split("/")[1] for k in before if k.startswith(".done/")} == set(STEP_NAMES) - {"mix"}
     assert not any(k.startswith(".done/decontam/") for k in before)
     again = Engine(load_data_config(cfg), force=True).run()
     assert not any(o.skipped for o in again)

@@ -13,7 +13,7 @@ from engine_inputs import engine_config, jsonl
 from olmoflow.artifacts import atomic_write_json
 from olmoflow.cli import main
 from olmoflow.data.engine import Engine, load_data_config
-from olmoflow.data.report import check_accounting, report, step_manifests
+from olmoflow.data.engine.report import check_accounting, report, step_manifests
 
 pytest.importorskip("datasketch", reason="dedup needs datasketch (pip install 'olmoflow[data]')")
 
@@ -133,7 +133,7 @@ def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
     assert counts["removed"]["not_json"]["documents"] == 30
     # The report named no bad file at all: a damaged file removes no counted document, so it was
     # visible only as a number. Now the examples are listed with file and line.
-    from olmoflow.data.report import report
+    from olmoflow.data.engine.report import report
 
     text, _ = report(tmp_path / "run", histograms=False)
     assert "ingest: 30 in all" in text
@@ -143,7 +143,7 @@ def test_bad_input_count_is_every_bad_line_not_the_examples(tmp_path, capsys):
 def test_histograms_follow_the_mixer_decision_per_line_not_per_id(tmp_path):
     # Two copies of one document with the same id (a shard ingested twice): dedup drops the
     # second, but the report's histograms looked ids up in the output and drew both as kept.
-    from olmoflow.data.report import document_scores
+    from olmoflow.data.engine.report import document_scores
 
     src = tmp_path / "in"
     src.mkdir()

@@ -180,10 +180,10 @@ def test_the_ingest_fingerprint_hashes_only_what_ingest_reads(linked_files, foll
 
 
 def test_the_ingest_fingerprint_names_real_paths_once(linked_files):
-    from olmoflow.data.steps import step_config
+    from olmoflow.data.engine.steps import STEP_TABLE
 
     engine = Engine(load_data_config(_config(linked_files)))
-    files = step_config(engine, "ingest")["sources"][0]["files"]
+    files = STEP_TABLE["ingest"].section(engine)["sources"][0]["files"]
     paths = [f[0] for f in files]
     assert sorted(paths) == sorted({str((linked_files / "data" / p).resolve())
                                     for p in ("a.jsonl", "sub/b.jsonl")})

@@ -45,7 +45,7 @@ def digests(d: Path) -> dict[str, str]:
 def engine_parts(corpus, shards: int, out: Path, seed: int = 7, fraction: float = 0.2):
     """The data engine's tokenize step (its held-out choice and shard job) over ``shards``
     mixed shards of the corpus, without the rest of the engine."""
-    from olmoflow.data import steps
+    from olmoflow.data.engine import steps
     from olmoflow.data.tokenize_shards import tokenize_shard
 
     root, path = corpus

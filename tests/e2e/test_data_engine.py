@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from olmoflow.cli import main
-from olmoflow.data.report import check_accounting, report, step_manifests
+from olmoflow.data.engine.report import check_accounting, report, step_manifests
 from olmoflow.data.tokenize import SPLITS, check_token_dir, open_token_dir, read_index
 
 REPO = Path(__file__).resolve().parents[2]

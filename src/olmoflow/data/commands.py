@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from olmoflow.data.config import STEPS as STEP_VERBS
+from olmoflow.data.engine.steps import STEP_NAMES as STEP_VERBS
 
 CONFIG_FILE = "config.yaml"
 
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from olmoflow.data.report import report
+    from olmoflow.data.engine.report import report
 
     text, files = report(args.dir, histograms=not args.no_histograms)
     print(text)

@@ -26,12 +26,6 @@ from olmoflow.data.mixer import MixConfig
 from olmoflow.data.sources import SourceOptions
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
-#: The data engine's steps, in pipeline order.
-STEPS = ("ingest", "tag", "dedup", "decontaminate", "mix", "tokenize")
-#: Where each step writes (its manifest.json lies there).
-STEP_DIRS = {"ingest": "documents", "tag": "attributes/tags", "dedup": "attributes/dedup",
-             "decontaminate": "attributes/decontam", "mix": "mixed", "tokenize": "tokens"}
-
 #: The longest directory name most file systems allow, in bytes (a source name becomes one).
 NAME_MAX = 255
 
@@ -177,7 +171,7 @@ class DataConfig:
     workers: int | None = None
     ray_address: str | None = None
     strict: bool = False
-    steps: list[str] = field(default_factory=lambda: list(STEPS))
+    steps: list[str] | None = None  # None: every step, in order (the records of data.engine)
     sources: list[SourceConfig] = field(default_factory=list)
     quality: QualityConfig = field(default_factory=QualityConfig)
     taggers: list[Any] = field(default_factory=list)
@@ -210,7 +204,7 @@ def validate(cfg: DataConfig) -> DataConfig:
     when :func:`olmoflow.config.from_dict` built them); return ``cfg``.
 
     Raises:
-        OlmoflowError: unknown executor or step, a source without name or paths, two sources
+        OlmoflowError: unknown executor, a source without name or paths, two sources
             with the same name, a name that is no plain directory name (or over 255 bytes), or a
             tagger or quality option that is unknown or of the wrong type.
     """
@@ -218,9 +212,6 @@ def validate(cfg: DataConfig) -> DataConfig:
 
     if cfg.executor not in EXECUTORS:
         raise unknown_name_error("executor", cfg.executor, EXECUTORS)
-    for s in cfg.steps:
-        if s not in STEPS:
-            raise unknown_name_error("step", s, STEPS)
     seen = set()
     for i, s in enumerate(cfg.sources):
         if not s.name or not s.paths:

@@ -41,17 +41,16 @@ from olmoflow.artifacts import (
     atomic_write_text,
     directory_lock,
     hash_once,
-    is_complete,
     now,
     read_manifest,
     sha256_json,
-    write_manifest,
 )
 from olmoflow.config import set_dotted
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.stage import Stage, StageTable, Trains
 from olmoflow.pipeline.stages import STAGES
+from olmoflow.recorded import is_current, record
 from olmoflow.run_dir import (
     INPUT_KEYS,
     RUN_MARKER,
@@ -168,7 +167,7 @@ def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distrib
         raise OlmoflowError(f"--force would delete the checkpoints in '{out}' that resume_from="
                             f"{resume_from} continues; drop one of the two")
     fp = fingerprint(cfg, name, table)
-    complete = not force and is_complete(out, fp)
+    complete = is_current(out, fp, force)
     # An explicit resume_from continues the stage's checkpoints even under a changed config (e.g.
     # more train.max_steps) instead of clearing them.
     resuming = (not complete and trains is not None and not force and has_checkpoint(out)
@@ -215,9 +214,8 @@ def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distrib
         raise
     secs = time.time() - t0
     if info.is_main and result is not None:
-        write_manifest(out, stage=name, command=command or " ".join(sys.argv), config=cfg.to_dict(),
-                       fingerprint=fp, inputs=result.inputs, outputs=result.outputs,
-                       counts=result.counts, started=started, extra={"seconds": round(secs, 2)})
+        record(out, fp, result, stage=name, command=command or " ".join(sys.argv),
+               config=cfg.to_dict(), started=started, extra={"seconds": round(secs, 2)})
     if info.is_main:
         _settle(out, trains is not None)  # the new output is complete: the previous one goes
     # Every rank leaves with rank 0's outcome, after its manifest exists (the next stage's

@@ -1,4 +1,5 @@
-"""The data engine's steps: how each builds its shard tasks, runs them and sums their stats.
+"""The data engine's steps: their records (:data:`STEPS`), and how each builds its shard tasks,
+runs them and sums their stats.
 
 Each runner takes the :class:`~olmoflow.data.engine.Engine` and returns ``(StageResult, extra)``;
 ``extra`` goes into the step's manifest: ``shards`` (the files it wrote, in order, with their
@@ -15,92 +16,115 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from olmoflow.artifacts import StageResult, read_manifest
-from olmoflow.data.config import STEP_DIRS
-from olmoflow.data.step_helpers import error_examples, expand_paths, relative_shards, step_stats
+from olmoflow.data.engine.step import Step
+from olmoflow.data.engine.step_helpers import (
+    error_examples,
+    expand_paths,
+    relative_shards,
+    step_stats,
+)
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 if TYPE_CHECKING:  # the engine runs these steps; they only use the object it hands them
-    from olmoflow.data.engine import Engine
+    from olmoflow.data.config import DataConfig
+    from olmoflow.data.engine.runner import Engine
     from olmoflow.data.mixer import MixConfig
     from olmoflow.data.sources import SourceOptions
 
-#: The steps whose outputs (and so fingerprints) a step depends on.
-UPSTREAM = {
-    "ingest": [],
-    "tag": ["ingest"],
-    "dedup": ["ingest"],
-    "decontaminate": ["ingest"],
-    "mix": ["ingest", "tag", "dedup", "decontaminate"],
-    "tokenize": ["mix"],
-}
 DOC_SUFFIX = ".jsonl.gz"
 
 
-def step_config(engine: Engine, step: str) -> dict[str, Any]:
-    """The part of the config a step depends on (fingerprinted and saved in its manifest)."""
+# ---- what each step depends on (its section) and checks before the run (its preflight) ----------
+
+
+def _ingest_section(engine: Engine) -> dict[str, Any]:
     cfg = engine.cfg
-    common = {"strict": cfg.strict}
-    if step == "ingest":
-        srcs = [{"name": s.name, "paths": s.paths, "options": _asdict(s.options),
-                 "files": _source_stamps(s.name, s.paths, s.options)} for s in cfg.sources]
-        return {**common, "sources": srcs}
-    if step == "tag":
-        q = cfg.quality
-        files = [p for p in cfg.plugins if p.endswith(".py")] + q.labeled
-        files += [q.model] if q.model else []
-        return {**common, "taggers": cfg.taggers, "quality": _asdict(q),
-                "plugins": cfg.plugins, "files": _stamps(files)}
-    if step == "dedup":
-        return {**common, "dedup": _asdict(cfg.dedup)}
-    if step == "decontaminate":
-        return {**common, "decontaminate": _asdict(cfg.decontaminate)}
-    if step == "mix":
-        return {**common, "mixer": _asdict(cfg.mixer)}
-    if step == "tokenize":
-        t = _asdict(cfg.tokenize)
-        t.pop("workers")  # any worker count gives the same bytes
-        if cfg.tokenize.tokenizer:
-            t["tokenizer_files"] = _stamps([cfg.tokenize.tokenizer])
-        return t
-    raise KeyError(step)
+    srcs = [{"name": s.name, "paths": s.paths, "options": _asdict(s.options),
+             "files": _source_stamps(s.name, s.paths, s.options)} for s in cfg.sources]
+    return {"strict": cfg.strict, "sources": srcs}
 
 
-def preflight(engine: Engine, steps: list[str]) -> None:
-    """Check what the config sections of ``steps`` name, before any step runs: tagger names
-    (plugins imported), input files, mixer weights naming configured sources (the sections' own
-    values were checked when the config was parsed). Attribute names in mixer rules are checked
-    by the mixer itself, once the attribute files exist.
+def _ingest_preflight(engine: Engine) -> None:
+    """Sources are given, and none lies inside the output directory: ingest deletes the shards
+    there that it did not write, and later steps would read their own output as input."""
+    from olmoflow.run_dir import input_inside
 
-    Raises:
-        OlmoflowError: the first problem found (the key and the closest valid name).
-    """
-    cfg = engine.cfg
-    if "ingest" in steps and not cfg.sources:
+    if not engine.cfg.sources:
         raise OlmoflowError("the config has no 'sources' to ingest")
-    if "tag" in steps and not cfg.taggers:
+    for i, src in enumerate(engine.cfg.sources):
+        for entry in src.paths:
+            if input_inside(entry, [engine.root]) is not None:
+                raise OlmoflowError(
+                    f"sources[{i}] ('{src.name}'): path '{entry}' lies inside the output "
+                    f"directory '{engine.root}', whose files the engine replaces; move it out "
+                    "of the output directory")
+
+
+def _tag_section(engine: Engine) -> dict[str, Any]:
+    cfg = engine.cfg
+    q = cfg.quality
+    files = [p for p in cfg.plugins if p.endswith(".py")] + q.labeled
+    files += [q.model] if q.model else []
+    return {"strict": cfg.strict, "taggers": cfg.taggers, "quality": _asdict(q),
+            "plugins": cfg.plugins, "files": _stamps(files)}
+
+
+def _tag_preflight(engine: Engine) -> None:
+    from olmoflow.data.taggers import check_taggers
+
+    cfg = engine.cfg
+    if not cfg.taggers:
         raise OlmoflowError("the config lists no 'taggers'")
-    if "tag" in steps:
-        from olmoflow.data.taggers import check_taggers
+    import_plugins([str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins])
+    check_taggers(cfg.taggers)  # again, now that plugins may have registered more names
+    if cfg.quality.labeled:
+        expand_paths(cfg.quality.labeled)
+    if cfg.quality.model and not Path(cfg.quality.model).exists():
+        raise OlmoflowError(f"quality.model: no such file or directory '{cfg.quality.model}'")
 
-        import_plugins([str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins])
-        check_taggers(cfg.taggers)  # again, now that plugins may have registered more names
-        if cfg.quality.labeled:
-            expand_paths(cfg.quality.labeled)
-        if cfg.quality.model and not Path(cfg.quality.model).exists():
-            raise OlmoflowError(f"quality.model: no such file or directory '{cfg.quality.model}'")
-    if "mix" in steps:
-        names = [s.name for s in cfg.sources]
-        for src in cfg.mixer.weights:
-            if names and src not in names:
-                raise OlmoflowError(f"mixer.weights: {unknown_name_error('source', src, names)}")
-    if "tokenize" in steps:
-        from olmoflow.data.tokenize_shards import DTYPES
 
-        t = cfg.tokenize
-        if t.dtype not in DTYPES:
-            raise unknown_name_error("tokenize.dtype", t.dtype, DTYPES)
-        if t.tokenizer and not Path(t.tokenizer).is_dir():
-            raise OlmoflowError(f"tokenize.tokenizer: no such directory '{t.tokenizer}'")
+def _section(key: str):
+    """The section function of a step whose config is ``cfg.<key>`` (and ``strict``)."""
+    def section(engine: Engine) -> dict[str, Any]:
+        return {"strict": engine.cfg.strict, key: _asdict(getattr(engine.cfg, key))}
+    return section
+
+
+def _mix_preflight(engine: Engine) -> None:
+    cfg = engine.cfg
+    names = [s.name for s in cfg.sources]
+    for src in cfg.mixer.weights:
+        if names and src not in names:
+            raise OlmoflowError(f"mixer.weights: {unknown_name_error('source', src, names)}")
+
+
+def _tokenize_section(engine: Engine) -> dict[str, Any]:
+    t = _asdict(engine.cfg.tokenize)
+    t.pop("workers")  # any worker count gives the same bytes
+    if engine.cfg.tokenize.tokenizer:
+        t["tokenizer_files"] = _stamps([engine.cfg.tokenize.tokenizer])
+    return t
+
+
+def _tokenize_preflight(engine: Engine) -> None:
+    from olmoflow.data.tokenize_shards import DTYPES
+
+    t = engine.cfg.tokenize
+    if t.dtype not in DTYPES:
+        raise unknown_name_error("tokenize.dtype", t.dtype, DTYPES)
+    if t.tokenizer and not Path(t.tokenizer).is_dir():
+        raise OlmoflowError(f"tokenize.tokenizer: no such directory '{t.tokenizer}'")
+
+
+def _quality_section(engine: Engine) -> dict[str, Any]:
+    q = engine.cfg.quality
+    return {"labeled": _stamps(q.labeled), "options": q.options}
+
+
+def _tokenizer_section(engine: Engine) -> dict[str, Any]:
+    t = engine.cfg.tokenize
+    return {"implementation": t.implementation, "vocab_size": t.vocab_size,
+            "min_frequency": t.min_frequency}
 
 
 def content_hash(entries: list[Any]) -> str:
@@ -116,7 +140,7 @@ def content_hash(entries: list[Any]) -> str:
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+    return dataclasses.asdict(obj)  # plain data: fingerprints and manifests are JSON
 
 
 def _stamps(entries: list[str]) -> list[Any]:
@@ -246,28 +270,25 @@ def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) ->
 
 
 def quality_model(engine: Engine) -> str | None:
-    """The quality classifier the ``quality`` tagger uses: ``quality.model``, or one trained from
-    ``quality.labeled`` into ``DIR/quality`` (trained once; reused while the labels are
-    unchanged)."""
+    """The quality classifier the ``quality`` tagger uses: ``quality.model``, or the one the
+    ``train-quality`` step trained from ``quality.labeled`` into ``DIR/quality``."""
     q = engine.cfg.quality
     if q.model:
         return str(Path(q.model).resolve())
-    if not q.labeled:
-        return None
-    from olmoflow.artifacts import is_complete, now, sha256_json, write_manifest
+    return str(engine.step_dir("train-quality")) if q.labeled else None
+
+
+def run_train_quality(engine: Engine):
+    """Train the quality classifier on ``quality.labeled`` into ``DIR/quality`` (a part of the
+    tag step: run before it, and again only when the labels or options change)."""
     from olmoflow.data.taggers.quality import MODEL_FILE, REPORT_FILE, train_quality
 
-    out = engine.root / "quality"
-    fp = sha256_json({"labeled": _stamps(q.labeled), "options": q.options})
-    if engine.force or not is_complete(out, fp):
-        started = now()
-        files = expand_paths(q.labeled)
-        res = train_quality(files, out, **q.options)
-        write_manifest(out, stage="data train-quality", command="olmoflow data train-quality",
-                       config=_asdict(q), fingerprint=fp, inputs=[Path(f) for f in files],
-                       outputs=[out / MODEL_FILE, out / REPORT_FILE],
-                       counts={k: v for k, v in res.items() if k != "errors"}, started=started)
-    return str(out)
+    q, out = engine.cfg.quality, engine.step_dir("train-quality")
+    files = expand_paths(q.labeled)
+    res = train_quality(files, out, **q.options)
+    counts = {k: v for k, v in res.items() if k != "errors"}
+    return (StageResult(inputs=[Path(f) for f in files],
+                        outputs=[out / MODEL_FILE, out / REPORT_FILE], counts=counts), {})
 
 
 def import_plugins(plugins: list[str]) -> None:
@@ -387,7 +408,7 @@ def attribute_sets(engine: Engine) -> list[str]:
     sets = []
     for step in ("tag", "dedup", "decontaminate"):
         if read_manifest(engine.step_dir(step)) is not None:
-            sets.append(Path(STEP_DIRS[step]).name)
+            sets.append(engine.step_dir(step).name)
     return sets
 
 
@@ -397,7 +418,7 @@ def attribute_files(engine: Engine, options: MixConfig) -> list[Path]:
     wanted = set(options.attributes or [])
     files = []
     for step in ("tag", "dedup", "decontaminate"):
-        if Path(STEP_DIRS[step]).name in wanted and read_manifest(engine.step_dir(step)):
+        if engine.step_dir(step).name in wanted and read_manifest(engine.step_dir(step)):
             files += [Path(s["path"]) for s in engine.shards(step) if Path(s["path"]).is_file()]
     return files
 
@@ -454,11 +475,9 @@ def run_mix(engine: Engine):
 
 
 def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
-    """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else one of
-    ``tokenize.implementation`` trained on the mixed documents into ``DIR/tokenizer`` by the main
-    flow's trainer (:func:`olmoflow.tokenizer.train.train_tokenizer`; trained again when they
-    change)."""
-    from olmoflow.artifacts import data_files, is_complete, now, sha256_json, write_manifest
+    """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else the one
+    the ``train-tokenizer`` step trained on the mixed documents into ``DIR/tokenizer``."""
+    from olmoflow.artifacts import data_files
 
     t = engine.cfg.tokenize
     if t.tokenizer:
@@ -466,22 +485,23 @@ def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
         if not (d / "tokenizer.json").is_file() and t.implementation == "bpe":
             raise OlmoflowError(f"tokenize.tokenizer: no tokenizer.json in {d}")
         return str(d), data_files(d)
+    out = engine.step_dir("train-tokenizer")
+    return str(out), data_files(out)
+
+
+def run_train_tokenizer(engine: Engine):
+    """Train a tokenizer of ``tokenize.implementation`` and ``vocab_size`` on the mixed documents
+    into ``DIR/tokenizer`` with the main flow's trainer
+    (:func:`olmoflow.tokenizer.train.train_tokenizer`); a part of the tokenize step when
+    ``tokenize.tokenizer`` is not given."""
     from olmoflow.tokenizer.config import TokenizerConfig
     from olmoflow.tokenizer.train import train_tokenizer
 
-    out = engine.root / "tokenizer"
+    out = engine.step_dir("train-tokenizer")
     mixed = [Path(s["path"]) for s in engine.shards("mix")]
-    settings = {"implementation": t.implementation, "vocab_size": t.vocab_size,
-                "min_frequency": t.min_frequency}
-    fp = sha256_json({"mixed": (read_manifest(engine.step_dir("mix")) or {}).get("fingerprint"),
-                      **settings})
-    if engine.force or not is_complete(out, fp):
-        started = now()
-        res = train_tokenizer(TokenizerConfig(**settings), mixed, out, progress=engine.progress)
-        write_manifest(out, stage="data train-tokenizer", command="olmoflow data tokenize",
-                       config=settings, fingerprint=fp, inputs=res.inputs, outputs=res.outputs,
-                       counts=res.counts, started=started)
-    return str(out), data_files(out)
+    res = train_tokenizer(TokenizerConfig(**_tokenizer_section(engine)), mixed, out,
+                          progress=engine.progress)
+    return res, {}
 
 
 def choose_heldout_parts(engine: Engine, mixed: list[dict[str, str]]) -> list[list[int]]:
@@ -546,5 +566,41 @@ def run_tokenize(engine: Engine):
     return res, extra
 
 
-RUNNERS = {"ingest": run_ingest, "tag": run_tag, "dedup": run_dedup,
-           "decontaminate": run_decontaminate, "mix": run_mix, "tokenize": run_tokenize}
+# ---- the table -----------------------------------------------------------------------------------
+
+_DOCS = ("ingest",)
+#: Every step, in the order they run (a ``part_of`` step just before the step it is part of).
+STEPS: tuple[Step, ...] = (
+    Step("ingest", "documents", (), _ingest_section, run_ingest, _ingest_preflight),
+    Step("train-quality", "quality", (), _quality_section, run_train_quality, part_of="tag",
+         enabled=lambda cfg: bool(cfg.quality.labeled) and not cfg.quality.model),
+    Step("tag", "attributes/tags", _DOCS, _tag_section, run_tag, _tag_preflight),
+    Step("dedup", "attributes/dedup", _DOCS, _section("dedup"), run_dedup,
+         work_dir="work/dedup"),
+    Step("decontaminate", "attributes/decontam", _DOCS, _section("decontaminate"),
+         run_decontaminate, work_dir="work/decontam"),
+    Step("mix", "mixed", ("ingest", "tag", "dedup", "decontaminate"), _section("mixer"), run_mix,
+         _mix_preflight, work_dir="work/mix"),
+    Step("train-tokenizer", "tokenizer", ("mix",), _tokenizer_section, run_train_tokenizer,
+         part_of="tokenize", enabled=lambda cfg: not cfg.tokenize.tokenizer),
+    Step("tokenize", "tokens", ("mix",), _tokenize_section, run_tokenize, _tokenize_preflight),
+)
+#: By name.
+STEP_TABLE: dict[str, Step] = {s.name: s for s in STEPS}
+#: The steps a config's ``steps`` lists (and ``olmoflow data STEP`` runs), in order.
+STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS if s.part_of is None)
+#: Where each step writes (its manifest.json lies there).
+STEP_DIRS: dict[str, str] = {s.name: s.directory for s in STEPS}
+
+
+def parts(step: str) -> list[Step]:
+    """The ``part_of`` steps of ``step``, in table order."""
+    return [s for s in STEPS if s.part_of == step]
+
+
+def enabled_steps(cfg: DataConfig, wanted: list[str]) -> list[Step]:
+    """The steps that run for ``wanted`` (names from :data:`STEP_NAMES`), in table order: each
+    wanted step, preceded by its enabled parts."""
+    return [s for s in STEPS
+            if (s.part_of is None and s.name in wanted)
+            or (s.part_of in wanted and (s.enabled is None or s.enabled(cfg)))]

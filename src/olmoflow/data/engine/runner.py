@@ -12,7 +12,11 @@ over a data run directory ``DIR`` (see docs/data.md)::
 
 Every step is split by shard and run by :func:`olmoflow.data.executor.run_shards` (a local
 process pool, Ray tasks or serially); global steps (dedup, decontaminate) map over shards,
-reduce in the driver, then map again to write attributes. A step whose manifest matches its
+reduce in the driver, then map again to write attributes. The runner knows no step by name: each
+is a :class:`~olmoflow.data.engine.step.Step` record (directory, upstream, config section,
+preflight, run) in :data:`~olmoflow.data.engine.steps.STEPS`, the tokenizer and the quality
+classifier it trains included (steps that are part of another). Each runs through the one rule
+of recorded work (:func:`olmoflow.recorded.run_recorded`): a step whose manifest matches its
 fingerprint (its config and the fingerprints of the steps it reads) is skipped whole; inside a
 step, finished shards are skipped by their done-markers (``DIR/.done/<step>/``).
 
@@ -33,7 +37,6 @@ are ``decontaminate``; the attribute set it writes (``attributes/decontam``, att
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,19 +44,8 @@ from typing import Any
 
 import yaml
 
-from olmoflow.artifacts import (
-    directory_lock,
-    hash_once,
-    is_complete,
-    now,
-    read_manifest,
-    sha256_json,
-    write_manifest,
-)
-from olmoflow.data import steps as _steps
+from olmoflow.artifacts import directory_lock, hash_once, read_manifest
 from olmoflow.data.config import (  # re-exported: the engine's config lives with the others
-    STEP_DIRS,
-    STEPS,
     DataConfig,
     QualityConfig,
     SourceConfig,
@@ -61,31 +53,23 @@ from olmoflow.data.config import (  # re-exported: the engine's config lives wit
     load_data_config,
     validate,
 )
-from olmoflow.data.executor import run_shards
-from olmoflow.data.step_helpers import (  # re-exported for the steps' callers
+from olmoflow.data.engine.step import Step
+from olmoflow.data.engine.step_helpers import (  # re-exported for the steps' callers
     error_count,
     error_examples,
     expand_paths,
     relative_shards,
     step_stats,
 )
+from olmoflow.data.engine.steps import STEP_DIRS, STEP_NAMES, STEP_TABLE, STEPS, enabled_steps
+from olmoflow.data.executor import run_shards
 from olmoflow.errors import OlmoflowError, unknown_name_error
-from olmoflow.run_dir import (
-    CONFIG_FILE,
-    claim_directory,
-    config_has_keys,
-    input_inside,
-    own_manifest_stage,
-)
+from olmoflow.recorded import fingerprint, run_recorded, upstream_fingerprint
+from olmoflow.run_dir import CONFIG_FILE, claim_directory, config_has_keys, own_manifest_stage
 
 log = logging.getLogger(__name__)
 
 DONE = ".done"
-#: Directories a step writes besides its own (the quality model, the trained tokenizer).
-SIDE_DIRS = {"tag": ("quality",), "tokenize": ("tokenizer",)}
-#: A step's intermediate files (hashes, the eval index, the mixer's own done-markers), named
-#: after the attribute set the step writes (``decontaminate`` -> ``decontam``).
-WORK_DIRS = {"dedup": "work/dedup", "decontaminate": "work/decontam", "mix": "work/mix"}
 #: The marker file that says a directory is a data engine output.
 DATA_MARKER = ".olmoflow-data"
 
@@ -122,7 +106,7 @@ class Engine:
 
     def step_dir(self, step: str) -> Path:
         """The directory a step writes (and holds its manifest)."""
-        return self.root / STEP_DIRS[step]
+        return self.root / STEP_TABLE[step].directory
 
     def done_dir(self, step: str) -> Path:
         """Where the done-markers of ``step``'s shards go."""
@@ -146,46 +130,59 @@ class Engine:
         return [{"source": s["source"], "path": str(self.step_dir(step) / s["path"])}
                 for s in m.get("shards", [])]
 
-    def clear_markers(self, step: str) -> None:
+    def clear_markers(self, step: Step) -> None:
         """Forget what ``step`` has done, for ``--force``: its shards' done-markers and its
-        intermediate files (``WORK_DIRS``: hashes, the eval index, the mixer's own markers), so
-        every shard job runs again. Its side directories (the quality model, the tokenizer) are
-        retrained by the step itself when forced."""
+        intermediate files (its ``work_dir``: hashes, the eval index, the mixer's own markers),
+        so every shard job runs again."""
         import shutil
 
-        shutil.rmtree(self.done_dir(step), ignore_errors=True)
-        if step in WORK_DIRS:
-            shutil.rmtree(self.root / WORK_DIRS[step], ignore_errors=True)
+        shutil.rmtree(self.done_dir(step.name), ignore_errors=True)
+        if step.work_dir:
+            shutil.rmtree(self.root / step.work_dir, ignore_errors=True)
 
     def fingerprint(self, step: str) -> str:
-        """sha256 of the step's config and the fingerprints of the steps before it."""
-        upstream = [(s, (read_manifest(self.step_dir(s)) or {}).get("fingerprint"))
-                    for s in _steps.UPSTREAM[step]]
-        return sha256_json({"step": step, "config": _steps.step_config(self, step),
-                            "upstream": upstream})
+        """sha256 of the step's config section and the fingerprints of the steps it reads."""
+        rec = STEP_TABLE[step]
+        return fingerprint(step, rec.section(self),
+                           [(s, upstream_fingerprint(self.step_dir(s))) for s in rec.upstream])
 
     # -- running --
 
     def run_step(self, step: str) -> StepOutcome:
-        """Run one step (or skip it when its manifest is complete and current)."""
+        """Run one step (or skip it when its manifest is complete and current) through the one
+        rule of recorded work (:func:`olmoflow.recorded.run_recorded`)."""
+        rec = STEP_TABLE[step]
         out = self.step_dir(step)
-        fp = self.fingerprint(step)
-        t0 = time.perf_counter()
-        if not self.force and is_complete(out, fp):
-            return StepOutcome(step, True, 0.0, read_manifest(out)["counts"])
-        started = now()
-        work = [self.root / WORK_DIRS[step]] if step in WORK_DIRS else []
-        remove_temporaries(out, self.done_dir(step), *work,
-                           *[self.root / d for d in SIDE_DIRS.get(step, ())])
-        if self.force:
-            self.clear_markers(step)
-        result, extra = _steps.RUNNERS[step](self)
-        remove_stale(out, result.outputs)
-        write_manifest(out, stage=f"data {step}", command=f"olmoflow data {step}",
-                       config=_steps.step_config(self, step), fingerprint=fp,
-                       inputs=result.inputs, outputs=result.outputs, counts=result.counts,
-                       started=started, extra=extra)
-        return StepOutcome(step, False, time.perf_counter() - t0, result.counts)
+
+        def prepare() -> None:
+            work = [self.root / rec.work_dir] if rec.work_dir else []
+            remove_temporaries(out, self.done_dir(step), *work)
+            if self.force:
+                self.clear_markers(rec)
+
+        done = run_recorded(out, self.fingerprint(step), lambda: rec.run(self),
+                            stage=f"data {step}", command=f"olmoflow data {rec.part_of or step}",
+                            config=rec.section(self), force=self.force, prepare=prepare,
+                            finish=lambda result: remove_stale(out, result.outputs))
+        return StepOutcome(step, done.skipped, done.seconds, done.counts)
+
+    def preflight(self, steps: list[str] | None = None) -> list[Step]:
+        """The steps that run for ``steps`` (default: the config's; parts included, in order),
+        each one's preflight passed. Every section of the steps to run is checked before the
+        first step starts: a typo in the mixer must not surface only after hours of tagging.
+
+        Raises:
+            OlmoflowError: an unknown step (naming the closest), or a preflight's error.
+        """
+        wanted = steps or self.cfg.steps or list(STEP_NAMES)
+        for s in wanted:
+            if s not in STEP_NAMES:
+                raise unknown_name_error("step", s, STEP_NAMES)
+        run = enabled_steps(self.cfg, wanted)
+        for rec in run:
+            if rec.preflight is not None:
+                rec.preflight(self)
+        return run
 
     def run(self, steps: list[str] | None = None,
             on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
@@ -197,39 +194,16 @@ class Engine:
                 that is not a data engine output, one another process is running in (the
                 message names it), or a step's error.
         """
-        wanted = steps or self.cfg.steps
-        for s in wanted:
-            if s not in STEPS:
-                raise unknown_name_error("step", s, STEPS)
-        # Every section of the steps to run is checked before the first step starts: a typo in
-        # the mixer must not surface only after hours of tagging.
-        _steps.preflight(self, [s for s in STEPS if s in wanted])
-        if "ingest" in wanted:
-            self.check_sources()
+        run = self.preflight(steps)
         if self.root.exists() and not self.root.is_dir():
             raise OlmoflowError(f"output '{self.root}' is a file, not a directory")
         claim_directory(self.root, marker=DATA_MARKER, legacy=legacy_output_problem,
                         what="data output")
         # Each step's inputs are the outputs the step before it was checked against.
         with directory_lock(self.root, what="data output"), hash_once():
-            return self._run_held(wanted, on_step)
+            return self._run_held(run, on_step)
 
-    def check_sources(self) -> None:
-        """Refuse source paths inside the output directory: ingest deletes the shards there
-        that it did not write, and later steps would read their own output as input.
-
-        Raises:
-            OlmoflowError: the first such path, naming its source.
-        """
-        for i, src in enumerate(self.cfg.sources):
-            for entry in src.paths:
-                if input_inside(entry, [self.root]) is not None:
-                    raise OlmoflowError(
-                        f"sources[{i}] ('{src.name}'): path '{entry}' lies inside the output "
-                        f"directory '{self.root}', whose files the engine replaces; move it "
-                        "out of the output directory")
-
-    def _run_held(self, wanted: list[str],
+    def _run_held(self, run: list[Step],
                   on_step: Callable[[StepOutcome], None] | None) -> list[StepOutcome]:
         """:meth:`run` once the output directory is claimed and locked."""
         from olmoflow.artifacts import atomic_write_text
@@ -242,19 +216,20 @@ class Engine:
         atomic_write_text(self.root / "config.yaml",
                           yaml.safe_dump(self.cfg.to_dict(), sort_keys=False, allow_unicode=True))
         outcomes = []
-        for s in STEPS:
-            if s in wanted:
-                o = self.run_step(s)
+        for rec in run:
+            o = self.run_step(rec.name)
+            if rec.part_of is None:  # a part of a step is reported with it
                 outcomes.append(o)
                 if on_step is not None:
                     on_step(o)
         return outcomes
 
 
-#: What a data engine output holds besides its step directories (``STEP_DIRS``): the saved
-#: config, the side and work directories of steps, and ``data report``'s directory.
+#: What a data engine output holds besides its step directories: the saved config, the
+#: directories of the steps that are parts of others (the quality model, the tokenizer), the
+#: work directories of steps, and ``data report``'s directory.
 _OUTPUT_EXTRAS = ("config.yaml", "work", "reports",
-                  *sorted({d for ds in SIDE_DIRS.values() for d in ds}))
+                  *sorted(s.directory for s in STEPS if s.part_of is not None))
 
 
 def legacy_output_problem(root: Path) -> str | None:
@@ -269,14 +244,15 @@ def legacy_output_problem(root: Path) -> str | None:
     """
     if not config_has_keys(root / CONFIG_FILE, ("output", "steps")):
         return f"no data engine {CONFIG_FILE}"
-    known = {d.split("/")[0] for d in STEP_DIRS.values()} | set(_OUTPUT_EXTRAS)
+    known = {STEP_DIRS[s].split("/")[0] for s in STEP_NAMES} | set(_OUTPUT_EXTRAS)
     for p in sorted(root.iterdir()):
         if p.name.startswith(".") or p.name == CONFIG_FILE:
             continue
         if p.name not in known or not p.is_dir() or p.is_symlink():
             return f"'{p.name}' is not a data engine directory"
     made = 0
-    for step, d in STEP_DIRS.items():
+    for step in STEP_NAMES:
+        d = STEP_DIRS[step]
         p = root / d
         if not p.exists():
             continue
@@ -346,6 +322,7 @@ def summary_line(o: StepOutcome) -> str:
     return "  ".join(parts)
 
 
-__all__ = ["STEPS", "STEP_DIRS", "DataConfig", "Engine", "QualityConfig", "SourceConfig",
-           "StepOutcome", "TokenizeStepConfig", "error_count", "error_examples", "expand_paths",
+__all__ = ["DATA_MARKER", "STEPS", "STEP_DIRS", "STEP_NAMES", "DataConfig", "Engine",
+           "QualityConfig", "SourceConfig", "Step", "StepOutcome", "TokenizeStepConfig",
+           "error_count", "error_examples", "expand_paths", "legacy_output_problem",
            "load_data_config", "relative_shards", "step_stats", "summary_line", "validate"]

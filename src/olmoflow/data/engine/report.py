@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from olmoflow.artifacts import atomic_path, atomic_write_json, atomic_write_text, read_manifest
-from olmoflow.data.engine import STEP_DIRS, STEPS
+from olmoflow.data.engine.steps import STEP_DIRS, STEP_NAMES
 from olmoflow.errors import OlmoflowError
 
 REPORT_DIR = "reports"
@@ -36,7 +36,7 @@ def step_manifests(root: str | Path) -> dict[str, dict[str, Any]]:
     """
     root = Path(root)
     out = {}
-    for step in STEPS:
+    for step in STEP_NAMES:
         m = read_manifest(root / STEP_DIRS[step])
         if m is not None:
             out[step] = m
