@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean-runs browser
+.PHONY: demo test bench clean-runs browser git-lfs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,15 @@ browser:
 	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
 	  || echo "note: chromium is not installed; the chat page test will be skipped"
 
-test: $(STAMP) browser
+# Debian's git-lfs, for the versioned release test (tests/release/test_git.py: olmoflow release
+# --git); where it cannot be installed (not root, no apt) that test is skipped and says why.
+git-lfs:
+	@command -v git-lfs >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && { apt-get install -y -qq git git-lfs >/dev/null 2>&1 \
+	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq git git-lfs >/dev/null 2>&1; }; }; } \
+	  || echo "note: git-lfs is not installed; the git release test will be skipped"
+
+test: $(STAMP) browser git-lfs
 	$(BIN)/pytest -q --durations=15
 
 bench: $(STAMP)

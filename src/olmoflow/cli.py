@@ -23,6 +23,8 @@ Tool verbs take no run config:
     olmoflow data-order RUN --step N               the documents of step N's training batch
     olmoflow reproduce RUN --from CKPT --steps K   replay K steps and compare with the log exactly
     olmoflow verify DIR [--digest SHA]             re-hash a release back to its raw sources
+    olmoflow push DIR ORG/NAME [--dry-run]         a release to the Hugging Face Hub, one branch
+                                                   per checkpoint (needs the network)
 
 CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
 saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
@@ -68,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(stage.name, help=stage.help or f"run the {stage.name} stage")
         common(sp)
         for flag in stage.flags:
-            sp.add_argument(flag.option, dest=flag.dest, type=flag.type, help=flag.help,
-                            action="append" if flag.repeat else "store")
+            if flag.switch:  # None when not given: the config's value stands
+                sp.add_argument(flag.option, dest=flag.dest, help=flag.help,
+                                action="store_const", const=True, default=None)
+            else:
+                sp.add_argument(flag.option, dest=flag.dest, type=flag.type, help=flag.help,
+                                action="append" if flag.repeat else "store")
     _tool_parsers(sub)
     return p
 
@@ -181,6 +187,17 @@ def _tool_parsers(sub) -> None:
                         "files.json its card states): the release must be the one it names")
     verify.set_defaults(tool=_verify)
 
+    push = sub.add_parser("push", help="upload a release to the Hugging Face Hub: main holds the "
+                          "release, one branch per intermediate checkpoint (needs the network "
+                          "and huggingface_hub)")
+    push.add_argument("release", metavar="DIR", help="a release directory (runs/NAME/release)")
+    push.add_argument("repo", metavar="ORG/NAME", help="the Hub model repository (created if it "
+                      "does not exist; your token from HF_TOKEN or 'hf auth login')")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--dry-run", action="store_true",
+                      help="print the branches and files it would upload, and upload nothing")
+    push.set_defaults(tool=_push)
+
     from olmoflow.data.commands import add_data_parser
     from olmoflow.eval.cli import add_eval_parser
     from olmoflow.infer.chat import add_chat_parser
@@ -193,7 +210,7 @@ def _tool_parsers(sub) -> None:
 
 
 TOOL_VERBS = ("model", "export", "data", "plot", "plan", "eval", "chat", "serve", "merge-lora",
-              "diagnose", "data-order", "reproduce", "verify")
+              "diagnose", "data-order", "reproduce", "verify", "push")
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -238,6 +255,25 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify_release(args.release, digest=args.digest)
     print(describe(report))
     return 0 if report.ok else 1
+
+
+def _push(args: argparse.Namespace) -> None:
+    from olmoflow.release.push import describe_plan, push_plan, push_release
+
+    if args.dry_run:
+        from olmoflow.release.verify import verify_release
+
+        report = verify_release(args.release)
+        if not report.ok:
+            raise OlmoflowError(f"'{args.release}' does not pass olmoflow verify "
+                                f"({report.problems[0]}); it would not be pushed")
+        print(describe_plan(args.repo, push_plan(args.release)))
+        print("dry run: nothing uploaded")
+        return
+    plan = push_release(args.release, args.repo, private=args.private)
+    print(describe_plan(args.repo, plan))
+    print(f"pushed to https://huggingface.co/{args.repo}; a checkpoint loads with "
+          f"from_pretrained('{args.repo}', revision='{plan[0].name}')")
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -5,15 +5,12 @@ replaced by a symbolic link. A good release passes, with and without ``--digest`
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-import torch
 
 from olmoflow.cli import main
 from olmoflow.release.index import PLACEHOLDER, stated_digest
@@ -23,22 +20,9 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """A tiny run on the standard library's text, two kept checkpoints exported into the
-    release."""
-    run = tmp_path_factory.mktemp("verify") / "run"
-    threads = torch.get_num_threads()
-    buf = io.StringIO()
-    try:
-        with redirect_stdout(buf):
-            rc = main(["run", "tiny", "train.max_steps=4", "train.checkpoint.save_interval=2",
-                       "train.num_threads=1", "evaluate.max_tokens=512",
-                       "--run-dir", str(run), "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0, buf.getvalue()
-    return run
+@pytest.fixture
+def run_dir(tiny_run) -> Path:
+    return tiny_run
 
 
 def verify(release: Path, capsys, *extra: str) -> tuple[int, str]:

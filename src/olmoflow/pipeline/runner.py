@@ -149,8 +149,11 @@ def run_stage(cfg: RunConfig, name: str, *, progress: bool = True, force: bool =
     info = distributed.init_from_env()  # under torchrun; one process otherwise
     with contextlib.ExitStack() as held:
         _hold(Path(cfg.run_dir), info, held)
-        return _run_stage(cfg, name, stage, out, info, progress=progress, force=force,
-                          command=command, table=table)
+        outcome = _run_stage(cfg, name, stage, out, info, progress=progress, force=force,
+                             command=command, table=table)
+        if stage.finish is not None and info.is_main:
+            stage.finish(cfg)
+        return outcome
 
 
 def _run_stage(cfg: RunConfig, name: str, stage: Stage, out: Path, info: distributed.DistInfo,

@@ -57,6 +57,7 @@ class Flag:
         type: the argparse converter of its value (``str``, ``int``).
         repeat: the option may be given several times; the key gets the list.
         forces_rerun: giving it reruns the stage even when it is complete.
+        switch: the option takes no value and sets the key to true (``--git``).
     """
 
     option: str
@@ -65,6 +66,7 @@ class Flag:
     type: Callable[[str], Any] = str
     repeat: bool = False
     forces_rerun: bool = False
+    switch: bool = False
 
     @property
     def dest(self) -> str:
@@ -101,6 +103,9 @@ class Stage(StagePlace):
         flags: command-line options of the stage's verb (see :class:`Flag`).
         show: prints what the stage made for the user after ``olmoflow run`` or its own verb
             (generate: the samples); None: nothing beyond the summary line.
+        finish: ``(cfg) -> None``, run by the runner on rank 0 once the stage is complete (ran,
+            resumed or skipped), its manifest written: a step over the finished output, which
+            must leave a finished one as it is (the release's git repository); None: none.
     """
 
     name: str
@@ -115,6 +120,7 @@ class Stage(StagePlace):
     trains: Trains | None = None
     flags: tuple[Flag, ...] = ()
     show: Callable[[RunConfig], None] | None = None
+    finish: Callable[[RunConfig], None] | None = None
     reads: str = field(default="", kw_only=True)
 
     def is_enabled(self, cfg: RunConfig) -> bool:

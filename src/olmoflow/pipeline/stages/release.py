@@ -13,7 +13,7 @@ from olmoflow.artifacts import StageResult, file_record, read_manifest
 from olmoflow.errors import OlmoflowError
 from olmoflow.pipeline.config import RunConfig, dump_config
 from olmoflow.pipeline.models import final_model_stage, first_model_stage, model_chain
-from olmoflow.pipeline.stage import FINAL_MODEL, Stage, flow
+from olmoflow.pipeline.stage import FINAL_MODEL, Flag, Stage, flow
 from olmoflow.pipeline.stages.common import (
     data_dirs,
     final_tokenizer_dir,
@@ -193,6 +193,21 @@ def run_release(cfg: RunConfig, progress: bool) -> StageResult:
     return result
 
 
+def git_repository(cfg: RunConfig) -> None:
+    """With ``release.git``: make the complete release a git repository
+    (:func:`olmoflow.release.git.git_release`), once its manifest exists, and say so."""
+    if not cfg.release.git:
+        return
+    from olmoflow.release.git import git_release
+
+    print(f"[{RELEASE.name}] git: {git_release(stage_dir(cfg, RELEASE.name)).summary()}",
+          flush=True)
+
+
 RELEASE = Stage("release", run_release, ("release",), (EVALUATE.name,), ("files", "digest"),
                 help="bundle the release: weights, logs, eval, data manifest, model card",
+                ignore=("release.git",), finish=git_repository,
+                flags=(Flag("--git", "release.git", switch=True,
+                            help="make the release a git repository: weights in Git LFS, one "
+                            "tag per checkpoint (release.git)"),),
                 reads=FINAL_MODEL)
