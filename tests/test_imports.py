@@ -1,16 +1,23 @@
-"""The package's import graph: no cycles, and libraries never import ``olmoflow.pipeline``.
+"""The package's import graph: imports point one way, down the layer order of DESIGN.md, with no
+cycles.
+
+The layers, bottom to top: the ground (errors, config, artifacts, run_dir, disk, user_code) <
+tokenizer < data < model < train < infer < eval < posttrain < serve < release < pipeline < cli
+(with ``__main__``, the ``scripts`` entry points and the package's front door). A module may
+import its own layer and those below it; an import of a layer above is an upward edge and fails.
+import-linter's "layers" contract states the same rule; this test reads the graph itself so that
+it needs no extra package, names each edge's line, and shares the walker with the cycle checks.
 
 The graph is read from the source with ``ast`` (nothing is imported), so the test is fast and
-sees every module, including ones whose optional dependencies are missing.
+sees every module, including ones whose optional dependencies are missing. Three kinds of edge
+are told apart, and every check counts all three:
 
-Two kinds of edge are kept apart:
-
-- module-level imports (a module's top level and class bodies, ``try``/``if`` blocks included;
-  ``if TYPE_CHECKING:`` blocks skipped, they never run) execute when the module is imported, so a
-  cycle among them is a real import cycle: import order decides whether it works;
-- imports inside functions run later. They are a common way to hide a cycle, so the stricter check
-  walks them too: a package whose lazy imports close a loop still has two modules that each need
-  the other, and the imports no longer point one way.
+- module-level imports (a module's top level and class bodies, ``try``/``if`` blocks included)
+  execute when the module is imported, so a cycle among them is a real import cycle;
+- imports inside functions run later. They are a common way to hide a cycle: a package whose
+  lazy imports close a loop still has two modules that each need the other;
+- type-only imports (``if TYPE_CHECKING:``) never run, but they are a dependency all the same:
+  the module cannot be read, checked or moved without the one it names.
 """
 
 from __future__ import annotations
@@ -29,15 +36,50 @@ PACKAGE = "olmoflow"
 PIPELINE = "olmoflow.pipeline"
 MAY_IMPORT_PIPELINE = ("olmoflow.pipeline", "olmoflow.cli")
 
+#: The library's layers, bottom to top, by the first name under ``olmoflow`` ("" is the package's
+#: own ``__init__``, its front door). Every module belongs to one: a new package gets its place
+#: here.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "config", "artifacts", "run_dir", "disk", "user_code"),
+    ("tokenizer",),
+    ("data",),
+    ("model",),
+    ("train",),
+    ("infer",),
+    ("eval",),
+    ("posttrain",),
+    ("serve",),
+    ("release",),
+    ("pipeline",),
+    ("cli", "__main__", "scripts", ""),
+)
+
+#: Upward edges known and being removed, each ``(importer, imported): why``. An entry whose edge
+#: is gone fails the test too, so the list only shrinks.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    # The model loader moves to model/load.py, below every reader: chat, eval and the lm-eval
+    # adapter stop reaching up to release/ for resolve_source, find_tokenizer, load_step_model.
+    ("olmoflow.infer.chat", "olmoflow.release.export"): "the one loader, model/load.py",
+    ("olmoflow.eval.cli", "olmoflow.release.export"): "the one loader, model/load.py",
+    # The chat template moves to tokenizer/chat.py (SFT data, chat and serving all use it).
+    ("olmoflow.infer.chat", "olmoflow.posttrain.chat_template"): "chat templates in tokenizer/",
+    # The model class's transformers-style conveniences delegate to infer/ lazily:
+    # Olmo.generate and Olmo.from_pretrained(load_in_8bit=True / quantization=...).
+    ("olmoflow.model.olmo", "olmoflow.infer.generate"): "Olmo.generate",
+    ("olmoflow.model.olmo", "olmoflow.infer.quantize"): "Olmo.from_pretrained quantization",
+}
+
 
 @dataclass(frozen=True)
 class Edge:
-    """``importer`` imports ``imported`` at ``line``; ``lazy`` when inside a function body."""
+    """``importer`` imports ``imported`` at ``line``; ``lazy`` when inside a function body,
+    ``type_only`` when under ``if TYPE_CHECKING:``."""
 
     importer: str
     imported: str
     line: int
     lazy: bool
+    type_only: bool = False
 
 
 def module_names(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:
@@ -59,19 +101,21 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(
-    node: ast.AST, lazy: bool = False,
-) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement under ``node`` with whether it runs lazily (inside a function)."""
+    node: ast.AST, lazy: bool = False, type_only: bool = False,
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement under ``node`` with whether it runs lazily (inside a function) and
+    whether it is type-only (under ``if TYPE_CHECKING:``, never run)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.Import | ast.ImportFrom):
-            yield child, lazy
+            yield child, lazy, type_only
         elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            # Only the `else:` branch runs; walk it as if it were this node's own body.
-            yield from _imports(ast.Module(body=child.orelse, type_ignores=[]), lazy)
+            # The body is for type checkers only; the `else:` branch runs as this node's own.
+            yield from _imports(ast.Module(body=child.body, type_ignores=[]), lazy, True)
+            yield from _imports(ast.Module(body=child.orelse, type_ignores=[]), lazy, type_only)
         elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-            yield from _imports(child, True)
+            yield from _imports(child, True, type_only)
         else:
-            yield from _imports(child, lazy)
+            yield from _imports(child, lazy, type_only)
 
 
 def import_edges(modules: dict[str, Path], package: str = PACKAGE) -> list[Edge]:
@@ -84,7 +128,7 @@ def import_edges(modules: dict[str, Path], package: str = PACKAGE) -> list[Edge]
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node, lazy in _imports(tree):
+        for node, lazy, type_only in _imports(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -103,7 +147,7 @@ def import_edges(modules: dict[str, Path], package: str = PACKAGE) -> list[Edge]
                     target = target.rpartition(".")[0]
                 inside = target == package or target.startswith(package + ".")
                 if target and target != name and inside:
-                    edges.append(Edge(name, target, node.lineno, lazy))
+                    edges.append(Edge(name, target, node.lineno, lazy, type_only))
     return edges
 
 
@@ -179,19 +223,42 @@ def find_cycles(edges: list[Edge]) -> list[list[str]]:
     return sorted(cycles)
 
 
+def _kind(e: Edge) -> str:
+    return " (type-only)" if e.type_only else " (in a function)" if e.lazy else ""
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (``olmoflow.data.loader`` -> that of ``data``).
+
+    Raises:
+        KeyError: a top-level name no layer lists.
+    """
+    top = module.split(".")[1] if "." in module else ""
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def upward_edges(edges: list[Edge]) -> list[Edge]:
+    """The edges from a layer to one above it, one per (importer, imported) pair (its first
+    line), sorted."""
+    first: dict[tuple[str, str], Edge] = {}
+    for e in sorted(edges, key=lambda e: e.line):
+        if layer_of(e.imported) > layer_of(e.importer):
+            first.setdefault((e.importer, e.imported), e)
+    return [first[k] for k in sorted(first)]
+
+
 def _describe(edges: list[Edge]) -> str:
     """One line per cycle: the loop, where each hop is imported, and the rest of its group."""
-    # A module-level import explains a hop better than a lazy one; the earliest line first.
+    # A module-level import explains a hop better than a lazy or a type-only one; the earliest
+    # line first.
     where = {}
-    for e in sorted(edges, key=lambda e: (not e.lazy, -e.line)):
+    for e in sorted(edges, key=lambda e: (e.type_only, e.lazy, e.line), reverse=True):
         where[e.importer, e.imported] = e
     groups = import_groups(edges)
     lines = []
     for cycle in find_cycles(edges):
-        hops = ", ".join(
-            f"{a}:{where[a, b].line}{' (in a function)' if where[a, b].lazy else ''}"
-            for a, b in itertools.pairwise(cycle)
-        )
+        hops = ", ".join(f"{a}:{where[a, b].line}{_kind(where[a, b])}"
+                         for a, b in itertools.pairwise(cycle))
         group = next(g for g in groups if cycle[0] in g)
         rest = sorted(group - set(cycle))
         also = f"; the same knot also holds {', '.join(rest)}" if rest else ""
@@ -222,7 +289,7 @@ def test_find_cycles_names_each_loop():
     assert find_cycles([x for x in e if not x.lazy]) == [["p.d", "p.e", "p.d"]]
 
 
-def test_edges_resolve_relative_and_skip_type_checking(tmp_path):
+def test_edges_resolve_relative_and_mark_type_checking(tmp_path):
     pkg = tmp_path / "p"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -233,21 +300,56 @@ def test_edges_resolve_relative_and_skip_type_checking(tmp_path):
     )
     (pkg / "y.py").write_text("import p.sub.x\n")
     (pkg / "z.py").write_text("")
-    got = {(e.importer, e.imported, e.lazy) for e in import_edges(module_names(tmp_path, "p"), "p")}
-    assert got == {("p.sub", "p.sub.x", False), ("p.sub.x", "p.y", False),
-                   ("p.sub.x", "p.z", True), ("p.y", "p.sub.x", False)}
+    got = {(e.importer, e.imported, e.lazy, e.type_only)
+           for e in import_edges(module_names(tmp_path, "p"), "p")}
+    assert got == {("p.sub", "p.sub.x", False, False), ("p.sub.x", "p.y", False, False),
+                   ("p.sub.x", "p.z", False, True), ("p.sub.x", "p.z", True, False),
+                   ("p.y", "p.sub.x", False, False)}
 
 
 def test_no_import_cycles(edges):
-    eager = [e for e in edges if not e.lazy]
+    eager = [e for e in edges if not e.lazy and not e.type_only]
     assert not find_cycles(eager), "module-level import cycles:\n" + _describe(eager)
 
 
-def test_no_import_cycles_through_function_level_imports(edges):
+def test_no_import_cycles_through_function_level_or_type_only_imports(edges):
     assert not find_cycles(edges), (
-        "import cycles closed by imports inside functions (the imports no longer point one way):\n"
-        + _describe(edges)
+        "import cycles closed by imports inside functions or under TYPE_CHECKING (the imports "
+        "no longer point one way):\n" + _describe(edges)
     )
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({m.split(".")[1] for m in module_names() if "." in m
+                       if not any(m.split(".")[1] in names for names in LAYERS)})
+    assert not unplaced, f"packages or modules in no layer of LAYERS: {unplaced}"
+
+
+def test_upward_edges_are_named_and_the_order_is_enforced():
+    # Guards the rule itself: a walker or a layer table that let everything through passes.
+    e = [Edge("olmoflow.data.x", "olmoflow.model.y", 3, True),
+         Edge("olmoflow.data.x", "olmoflow.model.y", 9, False),
+         Edge("olmoflow.model.y", "olmoflow.data.x", 1, False),
+         Edge("olmoflow.tokenizer.t", "olmoflow.errors", 1, False),
+         Edge("olmoflow.errors", "olmoflow.cli", 5, False, type_only=True)]
+    assert [(u.importer, u.imported, u.line) for u in upward_edges(e)] == [
+        ("olmoflow.data.x", "olmoflow.model.y", 3), ("olmoflow.errors", "olmoflow.cli", 5)]
+    assert layer_of("olmoflow") == layer_of("olmoflow.cli") == len(LAYERS) - 1
+    assert layer_of("olmoflow.run_dir") == 0 < layer_of("olmoflow.tokenizer.bpe")
+
+
+def test_imports_point_down_the_layer_order(edges):
+    order = " < ".join("/".join(n or "olmoflow" for n in names) for names in LAYERS)
+    bad = [f"{e.importer}:{e.line} imports {e.imported}{_kind(e)}"
+           for e in upward_edges(edges) if (e.importer, e.imported) not in ALLOWED_UPWARD]
+    assert not bad, f"imports up the layer order ({order}):\n" + "\n".join(bad)
+
+
+def test_the_allowed_upward_edges_still_exist(edges):
+    present = {(e.importer, e.imported) for e in upward_edges(edges)}
+    gone = sorted(f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in present)
+    assert not gone, ("these upward edges are gone: remove them from ALLOWED_UPWARD in "
+                      "tests/test_imports.py:\n" + "\n".join(gone))
 
 
 def test_libraries_never_import_the_pipeline(edges):
