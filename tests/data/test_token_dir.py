@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from olmoflow.data.config import TokenizeConfig
-from olmoflow.data.documents import read_documents, write_documents
+from olmoflow.data.documents import document_texts, read_documents, write_documents
 from olmoflow.data.tokenize import SPLITS, open_token_dir, read_index, tokenize
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer.config import TokenizerConfig
@@ -32,8 +32,8 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     path = root / "docs.jsonl.gz"
     write_documents(path, docs())
-    train_tokenizer(TokenizerConfig(vocab_size=300, min_frequency=1), path, root / "tokenizer",
-                    progress=False)
+    train_tokenizer(TokenizerConfig(vocab_size=300, min_frequency=1), document_texts([path]),
+                    root / "tokenizer", progress=False, files=[path])
     return root, path
 
 

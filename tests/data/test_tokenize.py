@@ -11,6 +11,7 @@ import pytest
 from test_cli import cli, doc_text, write_jsonl
 
 from olmoflow.data.config import TokenizeConfig
+from olmoflow.data.documents import document_texts
 from olmoflow.data.tokenize import (
     check_part,
     choose_heldout,
@@ -51,7 +52,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     docs = make_docs()
     docs_path = write_docs(root / "docs.jsonl.gz", docs)
-    res = train_tokenizer(TokenizerConfig(vocab_size=320), docs_path, root / "tokenizer", False)
+    res = train_tokenizer(TokenizerConfig(vocab_size=320), document_texts([docs_path]),
+                          root / "tokenizer", False, files=[docs_path])
     return root, docs, docs_path, res
 
 
@@ -70,7 +72,8 @@ def test_train_tokenizer_stage(setup):
     assert res.inputs == [docs_path]
     empty = write_docs(root / "none.jsonl.gz", [])
     with pytest.raises(OlmoflowError, match="no documents"):
-        train_tokenizer(TokenizerConfig(vocab_size=320), empty, root / "t2", False)
+        train_tokenizer(TokenizerConfig(vocab_size=320), document_texts([empty]), root / "t2",
+                        False, files=[empty])
 
 
 def test_tokenize_layout_and_contents(setup):

@@ -112,6 +112,27 @@ def test_train_from_files(tmp_path):
         BPETokenizer().train([tmp_path / "missing.txt"])
 
 
+def test_train_from_jsonl_files_reads_their_texts(tmp_path):
+    import gzip
+    import json
+
+    texts = corpus()
+    f = tmp_path / "docs.jsonl.gz"
+    f.write_bytes(gzip.compress("".join(json.dumps({"id": i, "text": t}) + "\n"
+                                        for i, t in enumerate(texts)).encode()))
+    from_file = BPETokenizer(vocab_size=300).train([f])
+    from_texts = BPETokenizer().train_from_texts(texts, vocab_size=300)
+    assert from_file.backend.to_str() == from_texts.backend.to_str()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{"body": "no text"}\n')
+    with pytest.raises(OlmoflowError, match=rf"^{bad}:3: cannot read training text"):
+        BPETokenizer(vocab_size=300).train([bad])
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(f.read_bytes()[:-20])
+    with pytest.raises(OlmoflowError, match=rf"^{cut}:\d+: cannot read training text"):
+        BPETokenizer(vocab_size=300).train([cut])
+
+
 def test_save_load_identical(tok, tmp_path):
     files = tok.save(tmp_path / "tok")
     assert sorted(p.name for p in files) == [

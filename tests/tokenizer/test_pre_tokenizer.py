@@ -232,13 +232,13 @@ def test_split_is_part_of_the_tokenizer_stage_fingerprint(tmp_path):
 
 
 def test_train_tokenizer_uses_the_configured_split(tmp_path):
-    from olmoflow.data.documents import write_documents
+    from olmoflow.data.documents import document_texts, write_documents
 
     docs = tmp_path / "docs.jsonl.gz"
     write_documents(docs, [{"id": str(i), "text": t, "source": "t"}
                            for i, t in enumerate(PROSE[:50] + [CODE] * 10)])
     for split in ("cl100k", "gpt2"):
         cfg = TokenizerConfig(vocab_size=300, pre_tokenizer=split)
-        res = train_tokenizer(cfg, docs, tmp_path / split, progress=False)
+        res = train_tokenizer(cfg, document_texts([docs]), tmp_path / split, progress=False)
         assert res.counts["bytes_per_token"] > 1
         assert BPETokenizer.from_pretrained(tmp_path / split).pre_tokenizer == split

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,18 @@ def read_documents(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         raise OlmoflowError(
             f"damaged documents file '{path}' ({reason}); rerun the stage that wrote it"
         ) from None
+
+
+def document_texts(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
+    """The ``text`` of every document of these documents files (:func:`read_documents`), in
+    order: what the tokenizer trainer reads.
+
+    Raises:
+        OlmoflowError: as :func:`read_documents`.
+    """
+    for path in paths:
+        for doc in read_documents(path):
+            yield doc["text"]
 
 
 def parse_jsonl_line(raw: bytes, text_field: str = "text") -> tuple[dict[str, Any] | None, str]:

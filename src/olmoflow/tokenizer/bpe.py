@@ -25,9 +25,11 @@ template ``chat_template.jinja`` (also under ``chat_template`` in ``tokenizer_co
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -344,15 +346,33 @@ def _check_ids(tok: _HFTokenizer, file: Path) -> None:
 
 
 def _iter_file_texts(files: list[str]) -> Iterable[str]:
-    # Imported here so that the tokenizer does not pull in the data package on import.
-    from olmoflow.data.documents import read_documents
+    """The texts of training files: each line's ``text`` of a ``.jsonl``/``.jsonl.gz`` file
+    (Dolma documents; read here, so the tokenizer needs no data package), the whole of any
+    other file.
 
+    Raises:
+        OlmoflowError: a JSONL line that is not an object with a string ``text``, or a damaged
+            gzip file, naming the file and line.
+    """
     for f in files:
-        if f.endswith((".jsonl", ".jsonl.gz")):
-            for doc in read_documents(Path(f)):
-                yield doc["text"]
-        else:
+        if not f.endswith((".jsonl", ".jsonl.gz")):
             yield Path(f).read_text(encoding="utf-8")
+            continue
+        n = 0
+        try:
+            with (gzip.open(f, "rb") if f.endswith(".gz") else open(f, "rb")) as lines:
+                for line in lines:  # a damaged gzip raises here, reading line n + 1
+                    n += 1
+                    if not line.strip():
+                        continue
+                    text = json.loads(line).get("text")
+                    if not isinstance(text, str):
+                        raise ValueError("no string 'text' field")
+                    yield text
+        except (OSError, EOFError, zlib.error, ValueError, AttributeError, RecursionError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            line_no = n + 1 if isinstance(e, OSError | EOFError | zlib.error) else n
+            raise OlmoflowError(f"{f}:{line_no}: cannot read training text ({why})") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """The one tokenizer trainer: a tokenizer of ``tokenizer.implementation`` (byte-level BPE by
-default) trained on documents' texts. The main flow's ``train-tokenizer`` stage and the data
-engine's tokenize step (when it is given no tokenizer) both call :func:`train_tokenizer`."""
+default) trained on texts. The main flow's ``train-tokenizer`` stage and the data engine's
+tokenize step (when it is given no tokenizer) both call :func:`train_tokenizer`, each with the
+texts of its documents (read by the caller: the tokenizer knows no document format)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from olmoflow.artifacts import StageResult, data_files
-from olmoflow.data.documents import read_documents
 from olmoflow.errors import OlmoflowError
 from olmoflow.tokenizer import BPETokenizer, tokenizer_class
 from olmoflow.tokenizer.config import TokenizerConfig
@@ -19,19 +19,21 @@ SAMPLE_BYTES = 1 << 20
 
 
 def train_tokenizer(
-    cfg: TokenizerConfig, docs_path: Path | list[Path], out_dir: Path, progress: bool = True
+    cfg: TokenizerConfig, texts: Iterable[str], out_dir: Path, progress: bool = True, *,
+    files: Sequence[Path] = (),
 ) -> StageResult:
-    """Train a tokenizer of ``cfg.implementation`` on the ``text`` of every document; save it in
-    ``out_dir``.
+    """Train a tokenizer of ``cfg.implementation`` on ``texts``; save it in ``out_dir``.
 
     Args:
         cfg: implementation, vocab size (special tokens included), min pair frequency, EOS and
             pad tokens, and the BPE's pre-tokenizer split.
-        docs_path: a documents file (gzipped JSONL, as read by ``read_documents``) or a list of
-            them (the data engine's mixed shards), read in order.
+        texts: the documents' texts, one per document, read once in order.
         out_dir: receives ``tokenizer.json``, ``tokenizer_config.json`` and
             ``special_tokens_map.json``.
         progress: show the trainer's progress bar.
+        files: the files the texts were read from: the result's inputs, and what a user's
+            tokenizer (not a :class:`BPETokenizer`) learns from through its ``train(files)``
+            hook.
 
     Returns:
         StageResult with counts ``vocab_size`` (actual; may be below ``cfg.vocab_size`` on a tiny
@@ -39,18 +41,17 @@ def train_tokenizer(
         ``sample_tokens`` and ``bytes_per_token`` (compression on the sample).
 
     Raises:
-        OlmoflowError: no documents, or a vocab size too small for byte-level BPE.
+        OlmoflowError: no texts, or a vocab size too small for byte-level BPE.
     """
-    paths = [Path(p) for p in docs_path] if isinstance(docs_path, list) else [Path(docs_path)]
+    paths = [Path(p) for p in files]
     out_dir = Path(out_dir)
     stats = {"documents": 0, "bytes": 0}
     sample: list[str] = []
     sample_bytes = 0
 
-    def texts() -> Iterator[str]:
+    def counted() -> Iterator[str]:
         nonlocal sample_bytes
-        for doc in (d for p in paths for d in read_documents(p)):
-            text = doc["text"]
+        for text in texts:
             n = len(text.encode("utf-8"))
             stats["documents"] += 1
             stats["bytes"] += n
@@ -64,16 +65,19 @@ def train_tokenizer(
         tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token,
                   pre_tokenizer=cfg.pre_tokenizer)
         tok.train_from_texts(
-            texts(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, progress=progress
+            counted(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+            progress=progress,
         )
-    else:  # a user's tokenizer learns through its _train(files) hook, from the documents file
-        for _ in texts():
+    else:  # a user's tokenizer learns through its _train(files) hook, from the documents files
+        for _ in counted():
             pass  # counts and the compression sample
         tok = cls(eos_token=cfg.eos_token, pad_token=cfg.pad_token)
-        tok.train([str(p) for p in paths])
+        if stats["documents"]:
+            tok.train([str(p) for p in paths])
     if stats["documents"] == 0:
         where = ", ".join(str(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
-        raise OlmoflowError(f"no documents to train the tokenizer on in {where}")
+        raise OlmoflowError("no documents to train the tokenizer on"
+                            + (f" in {where}" if where else ""))
     outputs = tok.save(out_dir)
     sample_tokens = sum(len(ids) for ids in tok.encode_batch(sample))
     counts = {

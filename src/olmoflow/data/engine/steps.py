@@ -494,13 +494,14 @@ def run_train_tokenizer(engine: Engine):
     into ``DIR/tokenizer`` with the main flow's trainer
     (:func:`olmoflow.tokenizer.train.train_tokenizer`); a part of the tokenize step when
     ``tokenize.tokenizer`` is not given."""
+    from olmoflow.data.documents import document_texts
     from olmoflow.tokenizer.config import TokenizerConfig
     from olmoflow.tokenizer.train import train_tokenizer
 
     out = engine.step_dir("train-tokenizer")
     mixed = [Path(s["path"]) for s in engine.shards("mix")]
-    res = train_tokenizer(TokenizerConfig(**_tokenizer_section(engine)), mixed, out,
-                          progress=engine.progress)
+    res = train_tokenizer(TokenizerConfig(**_tokenizer_section(engine)), document_texts(mixed),
+                          out, progress=engine.progress, files=mixed)
     return res, {}
 
 

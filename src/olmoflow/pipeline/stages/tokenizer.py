@@ -9,11 +9,12 @@ from olmoflow.pipeline.stages.common import need, own_data, stage_dir
 
 
 def run_train_tokenizer(cfg: RunConfig, progress: bool) -> StageResult:
+    from olmoflow.data.documents import document_texts
     from olmoflow.tokenizer.train import train_tokenizer
 
     docs = need(cfg, "clean", "documents.jsonl.gz")
-    return train_tokenizer(cfg.tokenizer, docs, stage_dir(cfg, "train-tokenizer"),
-                           progress=progress)
+    return train_tokenizer(cfg.tokenizer, document_texts([docs]),
+                           stage_dir(cfg, "train-tokenizer"), progress=progress, files=[docs])
 
 
 TRAIN_TOKENIZER = Stage("train-tokenizer", run_train_tokenizer, ("tokenizer",), ("clean",),
