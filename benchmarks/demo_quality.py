@@ -20,13 +20,13 @@ import time
 
 import torch
 
-from olmoflow.data.loader import DataLoader, InstanceDataset, open_token_arrays
 from olmoflow.eval.perplexity import evaluate_tokens
 from olmoflow.model.hf import hf_config, to_hf_state_dict
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.pipeline.stages.common import build_model, load_tokenizer, token_split
+from olmoflow.train.loader import DataLoader, InstanceDataset, open_token_arrays
 from olmoflow.train.schedule import lr_at
 from olmoflow.train.trainer import Trainer, build_optimizer
 

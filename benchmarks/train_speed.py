@@ -69,7 +69,7 @@ def peak_rss_gb() -> float:
 
 
 def loader(work: Path, args):
-    from olmoflow.data.loader import DataLoader, InstanceDataset, open_token_arrays
+    from olmoflow.train.loader import DataLoader, InstanceDataset, open_token_arrays
 
     data = InstanceDataset(open_token_arrays([work / "tokens.npy"], np.uint16), args.seq)
     return DataLoader(data, args.batch, seed=SEED)

@@ -228,7 +228,7 @@ def _kind(e: Edge) -> str:
 
 
 def layer_of(module: str) -> int:
-    """The index in :data:`LAYERS` of ``module`` (``olmoflow.data.loader`` -> that of ``data``).
+    """The index in :data:`LAYERS` of ``module`` (``olmoflow.data.sources`` -> that of ``data``).
 
     Raises:
         KeyError: a top-level name no layer lists.

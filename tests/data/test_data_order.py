@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from olmoflow.cli import main
-from olmoflow.data.loader import DataLoader, build_dataset, index_path
 from olmoflow.data.tokenize import read_index, read_token_array
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.data_order import step_documents
 from olmoflow.pipeline.runner import run_pipeline
 from olmoflow.pipeline.stages.common import load_tokenizer, token_split
+from olmoflow.train.loader import DataLoader, build_dataset, index_path
 
 STEPS = 12
 TRAIN = [f"train.max_steps={STEPS}", "train.num_threads=1", "train.sequence_length=32",

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from olmoflow.config import from_dict
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.eval.in_loop import InLoopEval
 from olmoflow.eval.registry import register_task
 from olmoflow.eval.requests import GenerateRequest, LoglikelihoodRequest
@@ -20,6 +19,7 @@ from olmoflow.eval.task import Task
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import TrainConfig
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.trainer import METRICS, Trainer
 
 SEQ, STEPS, EVERY = 16, 8, 2

@@ -12,7 +12,6 @@ import torch
 from tolerance import assert_fp32_close, forward_terms
 
 from olmoflow.config import from_dict
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.lora import (
@@ -30,6 +29,7 @@ from olmoflow.model.lora import (
 )
 from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import TrainConfig
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.trainer import Trainer
 
 pytest.importorskip("peft")

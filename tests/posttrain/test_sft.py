@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from tolerance import assert_fp32_close, forward_terms, fp32_rel
 
 from olmoflow.config import from_dict, set_dotted
-from olmoflow.data.loader import PAD_DOCUMENT
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
@@ -32,6 +31,7 @@ from olmoflow.posttrain.sft import (
 from olmoflow.tokenizer import BPETokenizer
 from olmoflow.train import distributed
 from olmoflow.train.config import TrainConfig
+from olmoflow.train.loader import PAD_DOCUMENT
 from olmoflow.train.trainer import METRICS, Trainer
 
 T = 64  # sequence_length: rows of 65 tokens

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from olmoflow.config import from_dict, set_dotted
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import TrainConfig
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.trainer import METRICS, Trainer
 
 VOCAB = 64

@@ -10,7 +10,6 @@ import pytest
 import torch
 from tolerance import forward_terms, fp32_rel
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
@@ -28,6 +27,7 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.plan import GB, activation_bytes_per_token, memory_plan
 from olmoflow.train.trainer import METRICS, Trainer
 

@@ -20,7 +20,6 @@ from checks import tree
 from resume_helpers import build_model, dataset, make_trainer, read_metrics, train_config
 from test_cli import assert_one_line_error, cli, doc_text, write_jsonl
 
-from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.checkpoint_files import CHECKSUMS
 from olmoflow.model.checkpoint_files import load_weights as load_model
@@ -34,6 +33,7 @@ from olmoflow.train.checkpoint import (
     set_rng_state,
     write_checksums,
 )
+from olmoflow.train.loader import DataLoader
 from olmoflow.train.trainer import Trainer
 
 KW = dict(max_steps=4, checkpoint__save_interval=2)

@@ -35,7 +35,6 @@ import pytest
 import torch
 from tolerance import forward_terms, fp32_rel
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.pipeline.config import load_config
@@ -48,6 +47,7 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.trainer import METRICS, Trainer
 
 VOCAB, SEQ, STEPS, SAVE, BATCH = 96, 16, 6, 3, 8

@@ -12,11 +12,11 @@ import torch
 from resume_helpers import parse_train_config
 from tolerance import EPS32
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.pipeline.config import load_config
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.loggers import read_log, scalars
 from olmoflow.train.trainer import METRICS, Trainer
 

@@ -17,13 +17,13 @@ import torch
 from resume_helpers import parse_train_config
 from tolerance import EPS32, assert_fp32_close, forward_terms, fp32_rel
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.attention import AttentionMask
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.layers import apply_rotary
 from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import LogConfig
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.metrics import (
     TrainingMetrics,
     attention_probs,

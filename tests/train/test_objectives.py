@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from resume_helpers import SEQ, build_model, dataset, read_metrics, tiny_model_config, train_config
 from tolerance import forward_terms, fp32_rel
 
-from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.train import distributed
 from olmoflow.train.callbacks import Callback
+from olmoflow.train.loader import DataLoader
 from olmoflow.train.objectives import LMObjective, Objective
 from olmoflow.train.trainer import Trainer
 

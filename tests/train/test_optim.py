@@ -22,8 +22,8 @@ from resume_helpers import (
 )
 from tolerance import assert_fp32_close, forward_terms
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.olmo import Block
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.optim import OptimizerList, SkipStepAdamW, muon_params
 from olmoflow.train.trainer import Trainer
 

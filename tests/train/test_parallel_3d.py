@@ -35,7 +35,6 @@ import numpy as np
 import pytest
 import torch
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
@@ -48,6 +47,7 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.parallel.compose import fsdp_options
 from olmoflow.train.parallel.layout import check_layout, resolve_layout
 from olmoflow.train.parallel.pipeline import split_layers

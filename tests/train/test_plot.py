@@ -12,7 +12,6 @@ import torch
 from PIL import Image
 
 from olmoflow.cli import main
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
 from olmoflow.train.config import (
@@ -22,6 +21,7 @@ from olmoflow.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.loggers import read_log
 from olmoflow.train.plot import figures, matrix
 from olmoflow.train.trainer import METRICS, Trainer

@@ -28,10 +28,10 @@ from resume_helpers import (
 )
 from tolerance import EPS32, assert_fp32_close, forward_terms, fp32_rel
 
-from olmoflow.data.loader import DataLoader, InstanceDataset
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.train.checkpoint import checkpoint_name
+from olmoflow.train.loader import DataLoader, InstanceDataset
 from olmoflow.train.schedule import lr_at
 from olmoflow.train.trainer import Trainer
 

@@ -54,8 +54,8 @@ class _Documents:
     their ids and sources (the ``.csv.gz`` indexes, in the order :func:`open_documents` reads)."""
 
     def __init__(self, paths: list[Path], dtype: np.dtype):
-        from olmoflow.data.loader import index_path, open_documents
         from olmoflow.data.tokenize import read_index
+        from olmoflow.train.loader import index_path, open_documents
 
         self.arrays, self.starts, self.ends = open_documents(paths, dtype)
         # open_documents checked that each index tiles its array, so an empty array has no rows
@@ -141,8 +141,8 @@ def step_documents(cfg, step: int, *, chars: int = 60) -> list[DocumentSpan]:
     Raises:
         OlmoflowError: as :func:`step_batch`; missing or damaged token indexes.
     """
-    from olmoflow.data.loader import PackedDataset
     from olmoflow.pipeline.stages.common import load_tokenizer, token_split
+    from olmoflow.train.loader import PackedDataset
 
     tok = load_tokenizer(cfg)
     loader, indices = step_batch(cfg, step, tok)

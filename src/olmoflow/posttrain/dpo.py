@@ -12,7 +12,7 @@ The pieces, in the order a DPO run uses them:
    model is then freed, so training holds one model, as open-instruct's DPO does with its cached
    reference log-probs.
 3. :class:`PreferenceLoader` yields global batches of pairs in a seeded order per epoch, each
-   carrying its resume state, as :class:`olmoflow.data.loader.DataLoader` does for pretraining.
+   carrying its resume state, as :class:`olmoflow.train.loader.DataLoader` does for pretraining.
 4. :class:`DPOObjective` is the trainer's :class:`~olmoflow.train.objectives.Objective`: one
    forward over chosen and rejected concatenated (TRL's ``concatenated_forward``), the policy's
    summed sequence log-probabilities (:func:`~olmoflow.posttrain.losses.sequence_logps`) and
@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from olmoflow.data.loader import ShuffledEpochs
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
@@ -53,6 +52,7 @@ from olmoflow.posttrain.reference import (  # noqa: F401  (the cache is part of 
 )
 from olmoflow.tokenizer.base import BaseTokenizer
 from olmoflow.train import distributed
+from olmoflow.train.loader import ShuffledEpochs
 from olmoflow.train.objectives import Batch, Objective
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class PreferenceLoader(ShuffledEpochs):
     """Global batches of ``batch_size`` pairs in a seeded order per epoch; exactly resumable.
 
     The order of epoch ``e`` is ``np.random.Generator(np.random.PCG64([seed, e]))``'s
-    permutation of the pairs (as :class:`olmoflow.data.loader.DataLoader`); an epoch ends when
+    permutation of the pairs (as :class:`olmoflow.train.loader.DataLoader`); an epoch ends when
     fewer than ``batch_size`` pairs remain (they are dropped, and the next epoch reshuffles).
     Each batch is padded to its own longest sequence, so ``T`` varies between batches.
 

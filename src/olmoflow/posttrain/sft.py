@@ -4,16 +4,16 @@ From :class:`~olmoflow.posttrain.data.SFTExample` objects (token ids + a loss ma
 conversation) to training batches, and the objective that trains on them:
 
 - :func:`pack_examples` makes rows of ``sequence_length + 1`` tokens. With ``packing=True`` whole
-  examples are packed by best-fit decreasing (:func:`olmoflow.data.packing.best_fit_decreasing`,
+  examples are packed by best-fit decreasing (:func:`olmoflow.train.packing.best_fit_decreasing`,
   as OLMo-core's packed fixed-length dataset and open-instruct's packed SFT do; Ding et al. 2024,
   "Fewer Truncations Improve Language Modeling"); with ``packing=False`` each row holds one
   example. The free tail of a row is padding. Every position carries the number of its example
   (its *document*; ``PAD_DOCUMENT`` on padding), so attention stays inside an example
   (intra-document masking) and labels never cross from one example to the next: a packed batch
   trains exactly what the same examples would train one per row.
-- :class:`SFTLoader` yields :class:`~olmoflow.data.loader.Batch` objects in a seeded order per
+- :class:`SFTLoader` yields :class:`~olmoflow.train.loader.Batch` objects in a seeded order per
   epoch, each carrying the loader's state after it (exact resume), as
-  :class:`~olmoflow.data.loader.DataLoader` does for pretraining.
+  :class:`~olmoflow.train.loader.DataLoader` does for pretraining.
 - :class:`SFTObjective`: next-token cross-entropy (+ z-loss) on the trained tokens only (assistant
   turns and their end markers), summed over the global batch and divided once by their count.
 - :func:`processor_records` reads a user's own data processor classes (OLMo's
@@ -32,15 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from olmoflow.data.loader import PAD_DOCUMENT, Batch, ShuffledEpochs
-from olmoflow.data.packing import best_fit_decreasing
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
 from olmoflow.posttrain.data import DataStats, SFTExample, check_data_files, sft_examples
 from olmoflow.tokenizer.base import BaseTokenizer
 from olmoflow.train import distributed
+from olmoflow.train.loader import PAD_DOCUMENT, Batch, ShuffledEpochs
 from olmoflow.train.objectives import LMObjective
+from olmoflow.train.packing import best_fit_decreasing
 
 __all__ = ["SFTDataset", "SFTLoader", "SFTObjective", "build_sft_data", "pack_examples",
            "processor_records", "sft_labels"]
@@ -196,8 +196,8 @@ class SFTLoader(ShuffledEpochs):
     """Global batches of SFT rows in a seeded order per epoch; resumable from any ``Batch.state``.
 
     The order of epoch ``e`` is a permutation drawn from ``(seed, e)`` alone (as
-    :class:`~olmoflow.data.loader.DataLoader`); an epoch ends when fewer rows than a batch remain
-    (the remainder is dropped). ``next_batch()`` returns a :class:`~olmoflow.data.loader.Batch`
+    :class:`~olmoflow.train.loader.DataLoader`); an epoch ends when fewer rows than a batch remain
+    (the remainder is dropped). ``next_batch()`` returns a :class:`~olmoflow.train.loader.Batch`
     with ``input_ids [B, T]``, ``labels [B, T]`` (:func:`sft_labels`), ``doc_ids [B, T]`` for
     intra-document attention (None for ``"padded"`` rows: one example per row needs only the
     causal mask, and the model keeps its fast path) and ``state``.

@@ -365,8 +365,8 @@ class TrainConfig:
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise OlmoflowError(f"{p}.memory_budget_gb must be > 0 GB (or null: available RAM), "
                                 f"got {self.memory_budget_gb}")
-        # data.packing needs no trainer module; imported here because data/ owns the names.
-        from olmoflow.data.packing import PACKINGS
+        # Imported here: train.packing imports torch, which reading a config does not need.
+        from olmoflow.train.packing import PACKINGS
 
         if self.packing not in PACKINGS:
             raise unknown_name_error(f"{p}.packing", self.packing, PACKINGS)

@@ -87,7 +87,7 @@ class LMObjective(Objective):
 
     def prepare(self, raw: Any) -> Batch:
         """``input_ids``, ``labels`` (``[B, T]``) and ``doc_ids`` when present, from a loader
-        :class:`~olmoflow.data.loader.Batch` or a mapping.
+        :class:`~olmoflow.train.loader.Batch` or a mapping.
 
         Raises:
             OlmoflowError: no ``input_ids`` or ``labels``.

@@ -25,7 +25,6 @@ import torch
 from tqdm import tqdm
 
 from olmoflow.artifacts import atomic_write_text
-from olmoflow.data.loader import DataLoader
 from olmoflow.errors import OlmoflowError, Terminated
 from olmoflow.train import distributed
 from olmoflow.train.callbacks import Callback
@@ -41,6 +40,7 @@ from olmoflow.train.checkpoint import (
     verify_checkpoint,
 )
 from olmoflow.train.config import TrainConfig
+from olmoflow.train.loader import DataLoader
 from olmoflow.train.loggers import MetricWriters, open_writers
 from olmoflow.train.metrics import TrainingMetrics
 from olmoflow.train.objectives import LMObjective, Objective, check_plain

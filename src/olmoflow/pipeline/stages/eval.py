@@ -43,7 +43,7 @@ def task_defaults(cfg: RunConfig, limit: int | None):
 
 
 def _heldout_tokens(cfg: RunConfig, max_tokens: int | None = None) -> np.ndarray:
-    from olmoflow.data.loader import open_token_arrays
+    from olmoflow.train.loader import open_token_arrays
 
     paths, dtype = token_split(cfg, "heldout")
     arrays, n = [], 0

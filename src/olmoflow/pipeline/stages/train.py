@@ -28,7 +28,7 @@ def pretrain_loader(cfg: RunConfig, tok):
     Raises:
         OlmoflowError: missing tokens, fewer instances than one batch.
     """
-    from olmoflow.data.loader import DataLoader, build_dataset, index_path
+    from olmoflow.train.loader import DataLoader, build_dataset, index_path
 
     paths, dtype = token_split(cfg, "train")
     t = cfg.train

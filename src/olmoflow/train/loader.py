@@ -6,7 +6,7 @@ Two ways to make instances of ``sequence_length + 1`` tokens (``train.packing``)
   (documents already end in EOS) and cut with a stride of ``sequence_length``, so each token is a
   target exactly once: ``input = inst[:-1]``, ``labels = inst[1:]``.
 - ``best_fit`` (:class:`PackedDataset`): whole documents from the ``.csv.gz`` indexes, chunked only
-  when longer than an instance, packed by best-fit decreasing (:mod:`olmoflow.data.packing`);
+  when longer than an instance, packed by best-fit decreasing (:mod:`olmoflow.train.packing`);
   the free tail of an instance is padding with no targets.
 
 The instance set depends only on the data and the seed; the order of instances in epoch ``e`` is a
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from olmoflow.data.packing import PACKINGS, best_fit_decreasing, split_documents
 from olmoflow.data.tokenize import read_index, read_token_array
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
+from olmoflow.train.packing import PACKINGS, best_fit_decreasing, split_documents
 
 PAD_DOCUMENT = -1  # document number of padding positions
 

@@ -16,15 +16,6 @@ import pytest
 import torch
 from tolerance import assert_fp32_close, forward_terms, fp32_rel
 
-from olmoflow.data.loader import (
-    PAD_DOCUMENT,
-    Batch,
-    DataLoader,
-    InstanceDataset,
-    PackedDataset,
-    build_dataset,
-    open_documents,
-)
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
@@ -34,6 +25,15 @@ from olmoflow.train.config import (
     OptimizerConfig,
     ScheduleConfig,
     TrainConfig,
+)
+from olmoflow.train.loader import (
+    PAD_DOCUMENT,
+    Batch,
+    DataLoader,
+    InstanceDataset,
+    PackedDataset,
+    build_dataset,
+    open_documents,
 )
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from olmoflow.data.packing import (
+from olmoflow.errors import OlmoflowError
+from olmoflow.train.packing import (
     best_fit_decreasing,
     pad_batch,
     split_documents,
     token_budget_batches,
 )
-from olmoflow.errors import OlmoflowError
 
 
 def documents(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
