@@ -13,9 +13,9 @@ import gc
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,10 +25,35 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.posttrain.losses import sequence_logps
 from olmoflow.train import distributed
 
-if TYPE_CHECKING:
-    from olmoflow.posttrain.dpo import PreferenceDataset
-
 log = logging.getLogger(__name__)
+
+
+class ReferencePairs(Protocol):
+    """What the reference pass needs of the tokenized pairs (it is
+    :class:`olmoflow.posttrain.dpo.PreferenceDataset`, which imports this module: stated here as
+    a protocol, so the two modules do not need each other)."""
+
+    def __len__(self) -> int: ...
+
+    def lengths(self) -> np.ndarray:
+        """``[N, 2]`` tokens of each pair's two sequences."""
+        ...
+
+    def response_counts(self) -> torch.Tensor:
+        """``[N, 2]`` trained response tokens of each pair's chosen and rejected."""
+        ...
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the pairs' token ids and target masks."""
+        ...
+
+    def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The pairs ``indices`` as a ``[b, 2, T]`` batch."""
+        ...
+
+    def attach_reference(self, sums: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Keep the reference's ``[N, 2]`` sums (and counts) for the batches."""
+        ...
 
 REFERENCE_FILE = "reference_logps.safetensors"
 REFERENCE_KEY_FILE = "reference_logps.json"
@@ -52,7 +77,7 @@ def pair_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Te
     return torch.stack([sums[:b], sums[b:]], 1), torch.stack([counts[:b], counts[b:]], 1)
 
 
-def reference_sums_and_counts(model: torch.nn.Module, dataset: PreferenceDataset, *,
+def reference_sums_and_counts(model: torch.nn.Module, dataset: ReferencePairs, *,
                               batch_size: int, device: str | torch.device = "cpu",
                               dtype: torch.dtype = torch.float32
                               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +131,7 @@ def reference_sums_and_counts(model: torch.nn.Module, dataset: PreferenceDataset
     return sums, counts
 
 
-def reference_logps(model: torch.nn.Module, dataset: PreferenceDataset, *, batch_size: int,
+def reference_logps(model: torch.nn.Module, dataset: ReferencePairs, *, batch_size: int,
                     device: str | torch.device = "cpu", average: bool = False,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[N, 2]`` fp32 reference log-probabilities of each pair's chosen and rejected response:
@@ -153,14 +178,14 @@ class ReferenceCache:
     def key_path(self) -> Path:
         return self.directory / REFERENCE_KEY_FILE
 
-    def key(self, dataset: PreferenceDataset) -> str:
+    def key(self, dataset: ReferencePairs) -> str:
         """The cache key of ``dataset`` under this reference and dtype (hex sha256)."""
         blob = json.dumps({"version": _CACHE_VERSION, "reference": self.reference_id,
                            "pairs": dataset.fingerprint(), "n_pairs": len(dataset),
                            "dtype": str(self.dtype)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def load(self, dataset: PreferenceDataset) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def load(self, dataset: ReferencePairs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sums, counts)`` from the files when they are intact and their key matches, else
         None (a damaged cache is logged, not raised)."""
         if not self.key_path.is_file() or not self.tensor_path.is_file():
@@ -188,7 +213,7 @@ class ReferenceCache:
             return None
         return sums, counts
 
-    def save(self, dataset: PreferenceDataset, sums: torch.Tensor, counts: torch.Tensor) -> None:
+    def save(self, dataset: ReferencePairs, sums: torch.Tensor, counts: torch.Tensor) -> None:
         """Write ``sums`` / ``counts`` ``[N, 2]`` under ``dataset``'s key (atomically)."""
         from safetensors.torch import save_file
 
@@ -203,7 +228,7 @@ class ReferenceCache:
             "pairs": len(dataset), "data": dataset.fingerprint(), "dtype": str(self.dtype),
             "version": _CACHE_VERSION})
 
-    def get(self, dataset: PreferenceDataset,
+    def get(self, dataset: ReferencePairs,
             reference: torch.nn.Module | Callable[[], torch.nn.Module], *, batch_size: int,
             device: str | torch.device = "cpu", attach: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +240,7 @@ class ReferenceCache:
                 it: it is then called only on a cache miss, the model moved to ``device``, and
                 dropped (memory released) right after computing.
             batch_size, device: as for :func:`reference_sums_and_counts`.
-            attach: also :meth:`PreferenceDataset.attach_reference` them.
+            attach: also :meth:`ReferencePairs.attach_reference` them.
         Returns:
             ``(sums [N, 2] fp32, counts [N, 2] long)``.
         """
