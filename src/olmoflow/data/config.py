@@ -23,7 +23,7 @@ from olmoflow.config import (
 from olmoflow.data.decontam import DecontamConfig
 from olmoflow.data.dedup import DedupConfig
 from olmoflow.data.mixer import MixConfig
-from olmoflow.data.sources import SourceOptions
+from olmoflow.data.read_base import SourceOptions
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 #: The longest directory name most file systems allow, in bytes (a source name becomes one).
@@ -102,7 +102,7 @@ class SourceConfig:
     """One named source: files, directories or globs (relative to the current directory) read
     by the reader their suffix names (``.txt``, ``.jsonl[.gz|.zst]``, ``.json.gz``, ``.parquet``,
     ``.warc[.gz]``), ``stdlib``, or ``hf://name[:config]/split``. ``options`` go to the reader
-    (:class:`~olmoflow.data.sources.SourceOptions`: e.g. ``text_field``, ``max_shard_bytes``),
+    (:class:`~olmoflow.data.read_base.SourceOptions`: e.g. ``text_field``, ``max_shard_bytes``),
     but for ``follow_symlinks``: true reads the files behind symbolic links that lead out of a
     source directory, which are skipped otherwise."""
 

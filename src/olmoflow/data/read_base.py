@@ -76,6 +76,35 @@ class ReadOptions:
                                                          f"{self.max_document_bytes}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceOptions(ReadOptions):
+    """A data engine source's ``options``: how its files are read (:class:`ReadOptions`; a
+    ``strict`` given here overrides the run's), ``max_shard_bytes`` (split a document shard past
+    this many bytes; None: never) and ``follow_symlinks`` (read the files behind symbolic links
+    that lead out of a source directory, which are skipped otherwise). Parsed by
+    :func:`olmoflow.config.from_dict`; an ingest task carries one (:mod:`olmoflow.data.sources`).
+
+    Raises:
+        ConfigValueError: a value out of range (:class:`ReadOptions`' checks, ``max_shard_bytes``
+            outside [1, 2**63)).
+    """
+
+    strict: bool | None = None
+    max_shard_bytes: int | None = None
+    follow_symlinks: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_shard_bytes is not None and not 1 <= self.max_shard_bytes < 2**63:
+            raise ConfigValueError("max_shard_bytes", "must be in [1, 2**63), got "
+                                                      f"{self.max_shard_bytes}")
+
+    def read_options(self, strict: bool) -> ReadOptions:
+        """The :class:`ReadOptions` part, with the run's ``strict`` unless this one sets it."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReadOptions)}
+        return ReadOptions(**{**values, "strict": strict if self.strict is None else self.strict})
+
+
 @dataclasses.dataclass
 class ReadLog:
     """What reading found besides documents: bad input by kind, records skipped, files read.

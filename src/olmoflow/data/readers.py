@@ -62,6 +62,7 @@ from olmoflow.data.read_base import (  # re-exported: the readers' shared types
     Input,
     ReadLog,
     ReadOptions,
+    SourceOptions,
     _damage_errors,
     _damage_kind,
     _first_line,
@@ -386,9 +387,9 @@ def read_hf(inp: Input, opts: ReadOptions, rl: ReadLog) -> Iterator[dict[str, An
 
 
 __all__ = ["FORMATS", "HF_PREFIX", "MALFORMED", "READERS", "Input", "ReadLog", "ReadOptions",
-           "file_format", "hf_label", "open_binary", "parse_hf_spec", "python_version", "read_hf",
-           "read_input", "read_jsonl", "read_parquet", "read_stdlib", "read_text", "read_warc",
-           "stdlib_files"]
+           "SourceOptions", "file_format", "hf_label", "open_binary", "parse_hf_spec",
+           "python_version", "read_hf", "read_input", "read_jsonl", "read_parquet", "read_stdlib",
+           "read_text", "read_warc", "stdlib_files"]
 
 READERS = {
     "text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "warc": read_warc,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from olmoflow.artifacts import MANIFEST, StageResult
-from olmoflow.config import ConfigValueError, as_section, from_dict
+from olmoflow.config import as_section, from_dict
 from olmoflow.data.documents import DOCUMENTS, ShardWriter, write_documents
 from olmoflow.data.readers import (
     FORMATS,
@@ -40,6 +40,7 @@ from olmoflow.data.readers import (
     Input,
     ReadLog,
     ReadOptions,
+    SourceOptions,
     file_format,
     hf_label,
     python_version,
@@ -56,35 +57,6 @@ __all__ = ["STDLIB", "SUFFIXES", "INGEST_OPTIONS", "collect", "source_files", "p
 STDLIB = "stdlib"
 SUFFIXES = tuple(sorted(FORMATS))
 _TASK_KEYS = ("input", "name", "source", "output", "strict", "options")
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceOptions(ReadOptions):
-    """A data engine source's ``options``: how its files are read (:class:`ReadOptions`; a
-    ``strict`` given here overrides the run's), ``max_shard_bytes`` (split a document shard past
-    this many bytes; None: never) and ``follow_symlinks`` (read the files behind symbolic links
-    that lead out of a source directory, which are skipped otherwise). Parsed by
-    :func:`olmoflow.config.from_dict`; an ingest task carries one.
-
-    Raises:
-        ConfigValueError: a value out of range (:class:`ReadOptions`' checks, ``max_shard_bytes``
-            outside [1, 2**63)).
-    """
-
-    strict: bool | None = None
-    max_shard_bytes: int | None = None
-    follow_symlinks: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_shard_bytes is not None and not 1 <= self.max_shard_bytes < 2**63:
-            raise ConfigValueError("max_shard_bytes", "must be in [1, 2**63), got "
-                                                      f"{self.max_shard_bytes}")
-
-    def read_options(self, strict: bool) -> ReadOptions:
-        """The :class:`ReadOptions` part, with the run's ``strict`` unless this one sets it."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReadOptions)}
-        return ReadOptions(**{**values, "strict": strict if self.strict is None else self.strict})
 
 
 #: The keys of a source's ``options`` (:class:`SourceOptions`).
