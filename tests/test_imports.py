@@ -57,10 +57,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Upward edges known and being removed, each ``(importer, imported): why``. An entry whose edge
 #: is gone fails the test too, so the list only shrinks.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # The model loader moves to model/load.py, below every reader: chat, eval and the lm-eval
-    # adapter stop reaching up to release/ for resolve_source, find_tokenizer, load_step_model.
-    ("olmoflow.infer.chat", "olmoflow.release.export"): "the one loader, model/load.py",
-    ("olmoflow.eval.cli", "olmoflow.release.export"): "the one loader, model/load.py",
     # The chat template moves to tokenizer/chat.py (SFT data, chat and serving all use it).
     ("olmoflow.infer.chat", "olmoflow.posttrain.chat_template"): "chat templates in tokenizer/",
     # The model class's transformers-style conveniences delegate to infer/ lazily:
