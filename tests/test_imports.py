@@ -40,7 +40,7 @@ MAY_IMPORT_PIPELINE = ("olmoflow.pipeline", "olmoflow.cli")
 #: own ``__init__``, its front door). Every module belongs to one: a new package gets its place
 #: here.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "config", "artifacts", "run_dir", "disk", "user_code"),
+    ("errors", "config", "artifacts", "run_dir", "disk", "user_code", "recorded"),
     ("tokenizer",),
     ("data",),
     ("model",),
@@ -63,6 +63,13 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     # Olmo.generate and Olmo.from_pretrained(load_in_8bit=True / quantization=...).
     ("olmoflow.model.olmo", "olmoflow.infer.generate"): "Olmo.generate",
     ("olmoflow.model.olmo", "olmoflow.infer.quantize"): "Olmo.from_pretrained quantization",
+}
+
+#: Edges that close a cycle, known and being removed, each ``(importer, imported): why``; the
+#: cycle checks leave them out. An entry whose edge is gone fails the test too.
+ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
+    # The data engine's runner and its steps move under data/engine/ as step records.
+    ("olmoflow.data.steps", "olmoflow.data.engine"): "type-only Engine annotation",
 }
 
 
@@ -223,14 +230,11 @@ def _kind(e: Edge) -> str:
     return " (type-only)" if e.type_only else " (in a function)" if e.lazy else ""
 
 
-def layer_of(module: str) -> int:
-    """The index in :data:`LAYERS` of ``module`` (``olmoflow.data.sources`` -> that of ``data``).
-
-    Raises:
-        KeyError: a top-level name no layer lists.
-    """
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module`` (``olmoflow.data.sources`` -> that of ``data``);
+    None for a top-level name no layer lists (:func:`test_every_module_has_a_layer` names it)."""
     top = module.split(".")[1] if "." in module else ""
-    return next(i for i, names in enumerate(LAYERS) if top in names)
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
 
 
 def upward_edges(edges: list[Edge]) -> list[Edge]:
@@ -238,9 +242,14 @@ def upward_edges(edges: list[Edge]) -> list[Edge]:
     line), sorted."""
     first: dict[tuple[str, str], Edge] = {}
     for e in sorted(edges, key=lambda e: e.line):
-        if layer_of(e.imported) > layer_of(e.importer):
+        low, high = layer_of(e.importer), layer_of(e.imported)
+        if low is not None and high is not None and high > low:
             first.setdefault((e.importer, e.imported), e)
     return [first[k] for k in sorted(first)]
+
+
+def _without_allowed_cycle_edges(edges: list[Edge]) -> list[Edge]:
+    return [e for e in edges if (e.importer, e.imported) not in ALLOWED_CYCLE_EDGES]
 
 
 def _describe(edges: list[Edge]) -> str:
@@ -309,6 +318,7 @@ def test_no_import_cycles(edges):
 
 
 def test_no_import_cycles_through_function_level_or_type_only_imports(edges):
+    edges = _without_allowed_cycle_edges(edges)
     assert not find_cycles(edges), (
         "import cycles closed by imports inside functions or under TYPE_CHECKING (the imports "
         "no longer point one way):\n" + _describe(edges)
@@ -331,6 +341,7 @@ def test_upward_edges_are_named_and_the_order_is_enforced():
     assert [(u.importer, u.imported, u.line) for u in upward_edges(e)] == [
         ("olmoflow.data.x", "olmoflow.model.y", 3), ("olmoflow.errors", "olmoflow.cli", 5)]
     assert layer_of("olmoflow") == layer_of("olmoflow.cli") == len(LAYERS) - 1
+    assert layer_of("olmoflow.nowhere") is None
     assert layer_of("olmoflow.run_dir") == 0 < layer_of("olmoflow.tokenizer.bpe")
 
 
@@ -341,11 +352,15 @@ def test_imports_point_down_the_layer_order(edges):
     assert not bad, f"imports up the layer order ({order}):\n" + "\n".join(bad)
 
 
-def test_the_allowed_upward_edges_still_exist(edges):
-    present = {(e.importer, e.imported) for e in upward_edges(edges)}
-    gone = sorted(f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in present)
-    assert not gone, ("these upward edges are gone: remove them from ALLOWED_UPWARD in "
-                      "tests/test_imports.py:\n" + "\n".join(gone))
+def test_the_allowed_edges_still_exist(edges):
+    upward = {(e.importer, e.imported) for e in upward_edges(edges)}
+    present = {(e.importer, e.imported) for e in edges}
+    gone = sorted([f"ALLOWED_UPWARD: {a} -> {b}" for a, b in ALLOWED_UPWARD
+                   if (a, b) not in upward]
+                  + [f"ALLOWED_CYCLE_EDGES: {a} -> {b}" for a, b in ALLOWED_CYCLE_EDGES
+                     if (a, b) not in present])
+    assert not gone, ("these allowed edges are gone: remove them from tests/test_imports.py:\n"
+                      + "\n".join(gone))
 
 
 def test_libraries_never_import_the_pipeline(edges):
