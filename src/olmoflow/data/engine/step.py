@@ -10,13 +10,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from olmoflow.artifacts import StageResult
 
-if TYPE_CHECKING:  # a step's functions take the engine that runs it
+if TYPE_CHECKING:
     from olmoflow.data.config import DataConfig
-    from olmoflow.data.engine.runner import Engine
+
+
+class EngineView(Protocol):
+    """What a step's functions use of the engine that runs them
+    (:class:`olmoflow.data.engine.Engine`, which imports the steps: stated here as a protocol, so
+    the steps do not need the runner's module)."""
+
+    cfg: DataConfig
+    root: Path
+    progress: bool
+    force: bool
+
+    def step_dir(self, step: str) -> Path:
+        """The directory ``step`` writes (and holds its manifest)."""
+        ...
+
+    def shards(self, step: str) -> list[dict[str, str]]:
+        """The shards a finished step wrote, in order: ``[{"source", "path"}]``."""
+        ...
+
+    def run_jobs(self, step: str, fn: Callable, tasks: list[dict[str, Any]], *,
+                 phase: str = "", workers: int | None = None) -> list[dict[str, Any]]:
+        """Run ``fn`` over ``tasks`` with the run's executor and done-markers."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -44,9 +68,9 @@ class Step:
     name: str
     directory: str
     upstream: tuple[str, ...]
-    section: Callable[[Engine], Any]
-    run: Callable[[Engine], tuple[StageResult, dict[str, Any]]]
-    preflight: Callable[[Engine], None] | None = None
+    section: Callable[[EngineView], Any]
+    run: Callable[[EngineView], tuple[StageResult, dict[str, Any]]]
+    preflight: Callable[[EngineView], None] | None = None
     work_dir: str | None = None
     part_of: str | None = None
     enabled: Callable[[DataConfig], bool] | None = None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from olmoflow.artifacts import StageResult, read_manifest
-from olmoflow.data.engine.step import Step
+from olmoflow.data.engine.step import EngineView, Step
 from olmoflow.data.engine.step_helpers import (
     error_examples,
     expand_paths,
@@ -27,7 +27,6 @@ from olmoflow.errors import OlmoflowError, unknown_name_error
 
 if TYPE_CHECKING:  # the engine runs these steps; they only use the object it hands them
     from olmoflow.data.config import DataConfig
-    from olmoflow.data.engine.runner import Engine
     from olmoflow.data.mixer import MixConfig
     from olmoflow.data.sources import SourceOptions
 
@@ -37,14 +36,14 @@ DOC_SUFFIX = ".jsonl.gz"
 # ---- what each step depends on (its section) and checks before the run (its preflight) ----------
 
 
-def _ingest_section(engine: Engine) -> dict[str, Any]:
+def _ingest_section(engine: EngineView) -> dict[str, Any]:
     cfg = engine.cfg
     srcs = [{"name": s.name, "paths": s.paths, "options": _asdict(s.options),
              "files": _source_stamps(s.name, s.paths, s.options)} for s in cfg.sources]
     return {"strict": cfg.strict, "sources": srcs}
 
 
-def _ingest_preflight(engine: Engine) -> None:
+def _ingest_preflight(engine: EngineView) -> None:
     """Sources are given, and none lies inside the output directory: ingest deletes the shards
     there that it did not write, and later steps would read their own output as input."""
     from olmoflow.run_dir import input_inside
@@ -60,7 +59,7 @@ def _ingest_preflight(engine: Engine) -> None:
                     "of the output directory")
 
 
-def _tag_section(engine: Engine) -> dict[str, Any]:
+def _tag_section(engine: EngineView) -> dict[str, Any]:
     cfg = engine.cfg
     q = cfg.quality
     files = [p for p in cfg.plugins if p.endswith(".py")] + q.labeled
@@ -69,7 +68,7 @@ def _tag_section(engine: Engine) -> dict[str, Any]:
             "plugins": cfg.plugins, "files": _stamps(files)}
 
 
-def _tag_preflight(engine: Engine) -> None:
+def _tag_preflight(engine: EngineView) -> None:
     from olmoflow.data.taggers import check_taggers
 
     cfg = engine.cfg
@@ -85,12 +84,12 @@ def _tag_preflight(engine: Engine) -> None:
 
 def _section(key: str):
     """The section function of a step whose config is ``cfg.<key>`` (and ``strict``)."""
-    def section(engine: Engine) -> dict[str, Any]:
+    def section(engine: EngineView) -> dict[str, Any]:
         return {"strict": engine.cfg.strict, key: _asdict(getattr(engine.cfg, key))}
     return section
 
 
-def _mix_preflight(engine: Engine) -> None:
+def _mix_preflight(engine: EngineView) -> None:
     cfg = engine.cfg
     names = [s.name for s in cfg.sources]
     for src in cfg.mixer.weights:
@@ -98,7 +97,7 @@ def _mix_preflight(engine: Engine) -> None:
             raise OlmoflowError(f"mixer.weights: {unknown_name_error('source', src, names)}")
 
 
-def _tokenize_section(engine: Engine) -> dict[str, Any]:
+def _tokenize_section(engine: EngineView) -> dict[str, Any]:
     t = _asdict(engine.cfg.tokenize)
     t.pop("workers")  # any worker count gives the same bytes
     if engine.cfg.tokenize.tokenizer:
@@ -106,7 +105,7 @@ def _tokenize_section(engine: Engine) -> dict[str, Any]:
     return t
 
 
-def _tokenize_preflight(engine: Engine) -> None:
+def _tokenize_preflight(engine: EngineView) -> None:
     from olmoflow.data.tokenize_shards import DTYPES
 
     t = engine.cfg.tokenize
@@ -116,12 +115,12 @@ def _tokenize_preflight(engine: Engine) -> None:
         raise OlmoflowError(f"tokenize.tokenizer: no such directory '{t.tokenizer}'")
 
 
-def _quality_section(engine: Engine) -> dict[str, Any]:
+def _quality_section(engine: EngineView) -> dict[str, Any]:
     q = engine.cfg.quality
     return {"labeled": _stamps(q.labeled), "options": q.options}
 
 
-def _tokenizer_section(engine: Engine) -> dict[str, Any]:
+def _tokenizer_section(engine: EngineView) -> dict[str, Any]:
     t = engine.cfg.tokenize
     return {"implementation": t.implementation, "vocab_size": t.vocab_size,
             "min_frequency": t.min_frequency}
@@ -197,7 +196,7 @@ def _source_stamps(name: str, paths: list[str], options: SourceOptions) -> list[
     return out
 
 
-def _finish(engine: Engine, step: str, tasks: list[dict[str, Any]],
+def _finish(engine: EngineView, step: str, tasks: list[dict[str, Any]],
             results: list[dict[str, Any]], shards: list[dict[str, str]],
             inputs: list[Path], extra_counts: dict[str, Any] | None = None
             ) -> tuple[StageResult, dict[str, Any]]:
@@ -212,18 +211,18 @@ def _finish(engine: Engine, step: str, tasks: list[dict[str, Any]],
             {"shards": shards, "errors": errors})
 
 
-def _doc_shards(engine: Engine) -> list[dict[str, str]]:
+def _doc_shards(engine: EngineView) -> list[dict[str, str]]:
     return engine.shards("ingest")
 
 
-def _rel(engine: Engine, step: str, shard: dict[str, str]) -> str:
+def _rel(engine: EngineView, step: str, shard: dict[str, str]) -> str:
     return Path(shard["path"]).relative_to(engine.step_dir(step)).as_posix()
 
 
 # ---- ingest --------------------------------------------------------------------------------------
 
 
-def run_ingest(engine: Engine):
+def run_ingest(engine: EngineView):
     from olmoflow.data.sources import ingest_shard, ingest_tasks
 
     cfg, out = engine.cfg, engine.step_dir("ingest")
@@ -269,7 +268,7 @@ def _no_documents(tasks: list[dict[str, Any]], results: list[dict[str, Any]]) ->
 # ---- tag -----------------------------------------------------------------------------------------
 
 
-def quality_model(engine: Engine) -> str | None:
+def quality_model(engine: EngineView) -> str | None:
     """The quality classifier the ``quality`` tagger uses: ``quality.model``, or the one the
     ``train-quality`` step trained from ``quality.labeled`` into ``DIR/quality``."""
     q = engine.cfg.quality
@@ -278,7 +277,7 @@ def quality_model(engine: Engine) -> str | None:
     return str(engine.step_dir("train-quality")) if q.labeled else None
 
 
-def run_train_quality(engine: Engine):
+def run_train_quality(engine: EngineView):
     """Train the quality classifier on ``quality.labeled`` into ``DIR/quality`` (a part of the
     tag step: run before it, and again only when the labels or options change)."""
     from olmoflow.data.taggers.quality import MODEL_FILE, REPORT_FILE, train_quality
@@ -322,7 +321,7 @@ def tag_with_plugins(task: dict[str, Any]) -> dict[str, Any]:
     return tag_shard(task)
 
 
-def run_tag(engine: Engine):
+def run_tag(engine: EngineView):
     cfg, out = engine.cfg, engine.step_dir("tag")
     if not cfg.taggers:
         raise OlmoflowError("the config lists no 'taggers'")
@@ -366,7 +365,7 @@ def with_quality_model(taggers: list[Any], model: str | None) -> list[Any]:
 # ---- dedup and decontamination (map, reduce in the driver, map) ----------------------------------
 
 
-def _run_global(engine: Engine, step: str, run, cfg, extra_inputs: list[Path] | None = None):
+def _run_global(engine: EngineView, step: str, run, cfg, extra_inputs: list[Path] | None = None):
     """A global step over every ingested shard: ``run(cfg, tasks, root, run_jobs, strict=)`` is
     :func:`olmoflow.data.dedup.run_dedup` or :func:`olmoflow.data.decontam.run_decontam` (their
     map phase, the reduce in this driver, and the attribute-writing phase). ``extra_inputs``: the
@@ -386,13 +385,13 @@ def _run_global(engine: Engine, step: str, run, cfg, extra_inputs: list[Path] | 
                    res.get("counts"))
 
 
-def run_dedup(engine: Engine):
+def run_dedup(engine: EngineView):
     from olmoflow.data import dedup
 
     return _run_global(engine, "dedup", dedup.run_dedup, engine.cfg.dedup)
 
 
-def run_decontaminate(engine: Engine):
+def run_decontaminate(engine: EngineView):
     from olmoflow.data import decontam
 
     cfg = engine.cfg.decontaminate
@@ -403,7 +402,7 @@ def run_decontaminate(engine: Engine):
 # ---- mix -----------------------------------------------------------------------------------------
 
 
-def attribute_sets(engine: Engine) -> list[str]:
+def attribute_sets(engine: EngineView) -> list[str]:
     """Attribute sets present for the mixer: those of the finished tag / dedup / decontam steps."""
     sets = []
     for step in ("tag", "dedup", "decontaminate"):
@@ -412,7 +411,7 @@ def attribute_sets(engine: Engine) -> list[str]:
     return sets
 
 
-def attribute_files(engine: Engine, options: MixConfig) -> list[Path]:
+def attribute_files(engine: EngineView, options: MixConfig) -> list[Path]:
     """The attribute files the mixer read (those of the sets in ``options.attributes``), so the
     mix manifest, and the lineage through it, reach the tag, dedup and decontaminate steps."""
     wanted = set(options.attributes or [])
@@ -423,7 +422,7 @@ def attribute_files(engine: Engine, options: MixConfig) -> list[Path]:
     return files
 
 
-def mixer_options(engine: Engine) -> MixConfig:
+def mixer_options(engine: EngineView) -> MixConfig:
     """The mixer config with what dedup and decontaminate ask for merged in: their attribute
     sets, their ``exclude`` rules (dedup: every flagged copy; decontaminate with ``action:
     drop``: contaminated documents) and ``remove_spans`` (duplicate paragraphs). ``attributes``
@@ -449,7 +448,7 @@ def mixer_options(engine: Engine) -> MixConfig:
     return dataclasses.replace(cfg, **merged)
 
 
-def run_mix(engine: Engine):
+def run_mix(engine: EngineView):
     from olmoflow.data import mixer
 
     cfg, out = engine.cfg, engine.step_dir("mix")
@@ -474,7 +473,7 @@ def run_mix(engine: Engine):
 # ---- tokenize ------------------------------------------------------------------------------------
 
 
-def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
+def tokenizer_dir(engine: EngineView) -> tuple[str, list[Path]]:
     """The tokenizer to use and the files it consists of: ``tokenize.tokenizer``, else the one
     the ``train-tokenizer`` step trained on the mixed documents into ``DIR/tokenizer``."""
     from olmoflow.artifacts import data_files
@@ -489,7 +488,7 @@ def tokenizer_dir(engine: Engine) -> tuple[str, list[Path]]:
     return str(out), data_files(out)
 
 
-def run_train_tokenizer(engine: Engine):
+def run_train_tokenizer(engine: EngineView):
     """Train a tokenizer of ``tokenize.implementation`` and ``vocab_size`` on the mixed documents
     into ``DIR/tokenizer`` with the main flow's trainer
     (:func:`olmoflow.tokenizer.train.train_tokenizer`); a part of the tokenize step when
@@ -505,7 +504,7 @@ def run_train_tokenizer(engine: Engine):
     return res, {}
 
 
-def choose_heldout_parts(engine: Engine, mixed: list[dict[str, str]]) -> list[list[int]]:
+def choose_heldout_parts(engine: EngineView, mixed: list[dict[str, str]]) -> list[list[int]]:
     """Per mixed shard, the positions of its held-out documents: the main flow's rule
     (:func:`olmoflow.data.tokenize.choose_heldout` on ``heldout_score(seed, id)``) over the whole
     corpus, so the split depends neither on sharding nor on the number of workers."""
@@ -525,7 +524,7 @@ def choose_heldout_parts(engine: Engine, mixed: list[dict[str, str]]) -> list[li
     return parts
 
 
-def run_tokenize(engine: Engine):
+def run_tokenize(engine: EngineView):
     from olmoflow.data.tokenize import SPLITS, check_heldout_config, check_token_dir, write_meta
     from olmoflow.data.tokenize_shards import load_tokenizer, resolve_dtype, tokenize_shard
 
