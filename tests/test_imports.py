@@ -344,3 +344,17 @@ def test_the_allowed_upward_edges_still_exist(edges):
     gone = sorted(f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in present)
     assert not gone, ("these upward edges are gone: remove them from ALLOWED_UPWARD in "
                       "tests/test_imports.py:\n" + "\n".join(gone))
+
+
+def test_the_data_package_never_imports_torch():
+    # DESIGN.md: data/ turns raw text into token arrays without torch, so its worker processes
+    # never pay torch's import; what makes training instances of the arrays lives in train/.
+    bad = []
+    for name, path in module_names().items():
+        if name == "olmoflow.data" or name.startswith("olmoflow.data."):
+            for node, _, _ in _imports(ast.parse(path.read_text(), filename=str(path))):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""] if not node.level else [])
+                bad += [f"{name}:{node.lineno} imports {m}" for m in mods
+                        if m == "torch" or m.startswith("torch.")]
+    assert not bad, "data/ imports torch:\n" + "\n".join(bad)
