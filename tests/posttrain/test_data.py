@@ -111,10 +111,10 @@ def test_forced_format_and_bad_format_name(tmp_path):
 SHARED_SFT = [("instruct/llamafactory_alpaca_en_demo.json", 999),
               ("instruct/self_instruct_seed_tasks.jsonl", 175),
               ("instruct/self_instruct_user_oriented_instructions.jsonl", 252)]
-SHARED_PAIRS = [("preference/llamafactory_dpo_en_demo.json", 300, 0),
-                ("preference/torchtune_stack_exchange_paired_tiny.json", 25, 0),
-                ("hh-rlhf/helpful-base-test.jsonl.gz", 2354, 4),
-                ("hh-rlhf/harmless-base-test.jsonl.gz", 2312, 4)]
+SHARED_PAIRS = [("preference/llamafactory_dpo_en_demo.json", 300, 0, 0),
+                ("preference/torchtune_stack_exchange_paired_tiny.json", 25, 0, 0),
+                ("hh-rlhf/helpful-base-test.jsonl.gz", 2354, 4, 2),
+                ("hh-rlhf/harmless-base-test.jsonl.gz", 2312, 4, 0)]
 
 
 @pytest.mark.parametrize("rel,n", SHARED_SFT)
@@ -128,15 +128,17 @@ def test_shared_sft_files(rel, n):
     assert all(c.messages[-1]["role"] == "assistant" and c.messages[-1]["content"] for c in cs)
 
 
-@pytest.mark.parametrize("rel,n,bad", SHARED_PAIRS)
-def test_shared_preference_files(rel, n, bad):
+@pytest.mark.parametrize("rel,n,bad,same", SHARED_PAIRS)
+def test_shared_preference_files(rel, n, bad, same):
     path = SHARED / rel
     if not path.is_file():
         pytest.skip(f"{path} absent (the shared data copies are not on this machine)")
     stats = DataStats()
     pairs = list(read_pairs([path], stats=stats))
-    # the HH-RLHF test splits hold 4 pairs each with an empty (whitespace-only) response
-    assert stats.read == n and len(pairs) == n - bad and len(stats.skipped) == bad
+    # the HH-RLHF test splits hold 4 pairs each with an empty (whitespace-only) response, and
+    # helpful-base 2 whose chosen and rejected strings are the same (lines 722 and 2169)
+    assert stats.read == n and len(pairs) == n - bad - same and len(stats.skipped) == bad
+    assert len(stats.identical) == same and stats.kept == len(pairs)
     assert all("response is empty" in s and f"{path.name}:" in s for s in stats.skipped)
     for p in pairs:
         assert p.prompt[-1]["role"] == "user"

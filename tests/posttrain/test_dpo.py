@@ -5,6 +5,7 @@ resume, and the shared preference data."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -22,10 +23,12 @@ from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
 from olmoflow.pipeline.stages.posttrain import Base, check_same_tokenizer
 from olmoflow.posttrain.chat_template import add_chat_template
+from olmoflow.posttrain.data import preference_examples
 from olmoflow.posttrain.dpo import (
     REFERENCE_FILE,
     REFERENCE_KEY_FILE,
     DPOObjective,
+    PreferenceDataset,
     PreferenceLoader,
     ReferenceCache,
     build_dpo_data,
@@ -180,10 +183,13 @@ def test_build_dpo_data_limit_and_errors(tok):
 
 
 def test_identical_chosen_and_rejected_give_exactly_ln2(tok):
-    same = [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["chosen"]}
-            for p in PAIRS[:4]]
+    # The readers skip such pairs (they train nothing); the loss itself is checked on a dataset
+    # made from the examples directly.
     model = tiny_model(tok)
-    ds = with_reference(tok, model, same)
+    exs = [dataclasses.replace(e, rejected_ids=e.chosen_ids, rejected_mask=e.chosen_mask)
+           for e in preference_examples(PAIRS[:4], "tulu", tok, 96)]
+    ds = PreferenceDataset(exs, 96, tok.pad_token_id)
+    ds.attach_reference(reference_logps(model, ds, batch_size=3), ds.response_counts())
     batch = DPOObjective().prepare(PreferenceLoader(ds, 4, seed=0).next_batch())
     for loss_type in ("sigmoid", "length_normalized"):
         obj = DPOObjective(loss_type, beta=0.5)

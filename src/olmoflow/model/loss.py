@@ -70,9 +70,11 @@ def _logits_grad_(logp: torch.Tensor, target: torch.Tensor, a: torch.Tensor,
 
 def _scale(labels: torch.Tensor, normalizer: float | None, device) -> torch.Tensor:
     """``1 / normalizer``, or ``1 / (this call's target count)``, as an fp32 0-dim tensor (no device
-    sync, no torch.compile graph break)."""
+    sync, no torch.compile graph break). A normalizer of 0 (a global batch without a target, whose
+    sums are 0) scales by 0: the loss and its gradient are 0, never a division by zero."""
     if normalizer is not None:
-        return torch.tensor(1.0 / float(normalizer), device=device)
+        n = float(normalizer)
+        return torch.tensor(1.0 / n if n else 0.0, device=device)
     return 1.0 / (labels != IGNORE_INDEX).sum().clamp_min(1).to(torch.float32)
 
 
@@ -86,7 +88,8 @@ def lm_loss(
             target.
         z_loss_coef: weight of ``logsumexp(logits)**2``.
         normalizer: divide the summed losses by this (the number of target tokens in the whole
-            global batch, for gradient accumulation); None divides by this call's target count.
+            global batch, for gradient accumulation); None divides by this call's target count;
+            0 (no target anywhere) gives a loss of 0.
     Returns:
         ``(loss, ce_loss, z_loss)`` scalars, ``loss = ce_loss + z_loss``.
     """

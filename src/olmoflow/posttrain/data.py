@@ -16,8 +16,13 @@ SFT (:data:`SFT_FORMATS`):
   top-level ``system``;
 - ``self_instruct``: ``{"instruction", "instances": [{"input", "output"}, ...]}``
   (yizhongw/self-instruct seed and user-oriented tasks): one conversation per instance;
+- ``sep``: ``instruction [SEP] response`` lines (OLMo's instruction-tuning format): a line of a
+  plain text file (or a string record) with exactly one ``" [SEP] "`` is read as a user turn and
+  an assistant turn, loss on the response only (``format=sep`` reads ``{"text"}`` records so too);
 - ``text``: ``{"text": ...}`` records or the lines of a plain text file, pretraining style
-  (every token trained, EOS appended).
+  (every token trained, EOS appended). A text record that contains ``[SEP]`` but is trained as
+  text (a JSON ``text`` field, ``format=text``, or not exactly one ``" [SEP] "``) is counted
+  (``stats.sep_as_text``) and warned about once.
 
 Preference pairs (:data:`PREFERENCE_FORMATS`), each as ``(prompt turns, chosen turns, rejected
 turns)``, the responses being the assistant turns after the shared prompt:
@@ -38,7 +43,11 @@ turns)``, the responses being the assistant turns after the shared prompt:
 Bad input — a malformed line, an unknown format or role, a conversation with no assistant turn,
 a pair with an empty response, a conversation the template cannot render — is skipped, counted
 in :class:`DataStats` and logged as a warning naming ``file:line``; under ``strict`` it raises
-:class:`~olmoflow.errors.OlmoflowError` naming ``file:line`` instead.
+:class:`~olmoflow.errors.OlmoflowError` naming ``file:line`` instead. So is, each counted under
+its own name, an example with nothing to train on (``no assistant tokens``: e.g. a ShareGPT
+record whose only assistant turn is empty and comes first; for pairs ``no response tokens``) and
+a pair whose chosen and rejected responses are the same (``identical chosen and rejected``,
+as messages or as tokens: its DPO loss is ln 2 whatever the model).
 
 Too-long examples (:func:`sft_examples`, :func:`preference_examples`) are never cut through an
 assistant turn's end marker: ``on_too_long="drop"`` drops them, ``"truncate"`` removes whole
@@ -63,6 +72,7 @@ from olmoflow.posttrain.chat_template import ChatTemplate, render
 from olmoflow.posttrain.config import TOO_LONG
 from olmoflow.posttrain.formats import (
     PREFERENCE_FORMATS,
+    SEP_MARK,
     SFT_FORMATS,
     BadRecord,
     Message,
@@ -84,22 +94,51 @@ class DataStats:
         skipped: ``"file:line: why"`` for each bad record skipped.
         truncated: examples kept with turns (or text tokens) removed to fit ``max_length``.
         dropped: ``"file:line"`` of each example dropped for being too long.
+        no_targets: ``"file:line"`` of each example skipped because it has no token to train on
+            (an SFT conversation whose assistant turns render to no target, a pair whose
+            response does); a batch of them would divide the loss by zero.
+        no_targets_reason: how the summary names them (``"no assistant tokens"``, ``"no
+            response tokens"``).
+        identical: ``"file:line"`` of each preference pair skipped because its chosen and
+            rejected responses are the same (its DPO loss is ln 2 whatever the model).
+        sep_as_text: ``"file:line"`` of each ``text`` record trained as plain text although it
+            contains ``[SEP]`` (not an ``instruction [SEP] response`` line); kept, warned about.
     """
 
     read: int = 0
     skipped: list[str] = field(default_factory=list)
     truncated: int = 0
     dropped: list[str] = field(default_factory=list)
+    no_targets: list[str] = field(default_factory=list)
+    no_targets_reason: str = "no assistant tokens"
+    identical: list[str] = field(default_factory=list)
+    sep_as_text: list[str] = field(default_factory=list)
 
     @property
     def kept(self) -> int:
         """Examples produced."""
-        return self.read - len(self.skipped) - len(self.dropped)
+        return (self.read - len(self.skipped) - len(self.dropped) - len(self.no_targets)
+                - len(self.identical))
+
+    def add(self, other: DataStats) -> None:
+        """Add the counts of ``other`` (another file's pass) to these."""
+        self.read += other.read
+        self.truncated += other.truncated
+        for name in ("skipped", "dropped", "no_targets", "identical", "sep_as_text"):
+            getattr(self, name).extend(getattr(other, name))
+        self.no_targets_reason = other.no_targets_reason
 
     def summary(self) -> str:
-        """One line: read, kept, skipped, truncated, dropped."""
-        return (f"{self.read} read, {self.kept} kept, {len(self.skipped)} skipped (bad input), "
-                f"{self.truncated} truncated, {len(self.dropped)} dropped (too long)")
+        """One line: read, kept, skipped (bad input, and each named reason that occurred),
+        truncated, dropped; text records with ``[SEP]`` trained as plain text, if any."""
+        named = [(self.no_targets, self.no_targets_reason),
+                 (self.identical, "identical chosen and rejected")]
+        extra = "".join(f", {len(v)} skipped: {why}" for v, why in named if v)
+        sep = (f"; {len(self.sep_as_text)} text record(s) containing [SEP] trained as plain text"
+               if self.sep_as_text else "")
+        return (f"{self.read} read, {self.kept} kept, {len(self.skipped)} skipped (bad input)"
+                f"{extra}, {self.truncated} truncated, {len(self.dropped)} dropped (too long)"
+                f"{sep}")
 
 
 @dataclass(frozen=True)
@@ -177,6 +216,27 @@ def _bad(where: str, why: str, strict: bool, stats: DataStats) -> None:
     log.warning("skipped %s: %s", where, why)
 
 
+def _skip_as(where: str, bucket: list[str], why: str, strict: bool) -> None:
+    """Skip an example for a named reason (counted in ``bucket``); under ``strict`` an error."""
+    if strict:
+        raise OlmoflowError(f"{where}: {why}")
+    bucket.append(where)
+    log.warning("skipped %s: %s", where, why)
+
+
+def _note_sep_as_text(where: str, text: str, stats: DataStats) -> None:
+    """Count (and warn once per pass about) a text record containing ``[SEP]`` that is trained
+    as plain text: OLMo's ``instruction [SEP] response`` lines are read as pairs only with
+    exactly one ``" [SEP] "``, from a plain line or under ``format=sep``."""
+    if "[SEP]" not in text:
+        return
+    if not stats.sep_as_text:
+        log.warning("%s: a text record contains '[SEP]' but is trained as plain text (loss on "
+                    "every token); an 'instruction [SEP] response' pair needs exactly one "
+                    "'%s' on a plain text line, or data.format=sep", where, SEP_MARK)
+    stats.sep_as_text.append(where)
+
+
 def _check_format(fmt: str | None, valid: Sequence[str], what: str) -> None:
     if fmt is not None and fmt not in valid:
         hint = closest(fmt, valid)
@@ -240,6 +300,22 @@ def check_data_files(paths: Sequence[str | Path], key: str = "data.paths") -> No
                                 f"(e.g. {path}/train.jsonl)")
         if not path.is_file():
             raise OlmoflowError(f"{key}: no such data file: {path}")
+
+
+def split_sources(source: Any) -> list[tuple[str, Any]]:
+    """``(name, source)`` per data file when ``source`` is a path or a list of paths (each file
+    is then read, and checked for examples left, on its own), else one ``("the records",
+    source)``."""
+    if isinstance(source, str | Path):
+        source = [source]
+    if isinstance(source, list | tuple) and source and all(_is_path(s) for s in source):
+        return [(str(p), [p]) for p in source]
+    return [("the records", source)]
+
+
+def nothing_left(name: str, what: str, stats: DataStats) -> OlmoflowError:
+    """The one-line error for a data file (or source) that gave no example to train on."""
+    return OlmoflowError(f"{name}: no {what} left to train on ({stats.summary()})")
 
 
 def _records(source: Any, strict: bool, stats: DataStats) -> Iterator[tuple[str, Any]]:
@@ -308,6 +384,8 @@ def read_conversations(source: Sequence[str | Path] | Iterable[Any], *,
         for k, c in enumerate(convs):
             stats.read += 1
             w = where if len(convs) == 1 else f"{where} instance {k + 1}"
+            if isinstance(c, str):
+                _note_sep_as_text(w, c, stats)
             yield (Conversation(w, text=c) if isinstance(c, str) else Conversation(w, messages=c))
 
 
@@ -337,6 +415,12 @@ def _fit_conversation(messages: list[Message], template, tokenizer, max_length: 
         if len(ids) <= max_length:
             return ids, mask, len(messages) - k
     return None
+
+
+def has_target(mask: Sequence[int]) -> bool:
+    """Whether a token sequence with loss ``mask`` trains any token: a trained position after
+    the first (the first token is never a target, it has nothing before it)."""
+    return any(mask[1:])
 
 
 def sft_examples(
@@ -388,6 +472,9 @@ def sft_examples(
                     continue
                 cut, ids = len(ids) - max_length, ids[:max_length]
                 stats.truncated += 1
+            if len(ids) < 2:  # one token predicts nothing
+                _skip_as(conv.where, stats.no_targets, stats.no_targets_reason, strict)
+                continue
             yield SFTExample(ids, [1] * len(ids), conv.where, cut)
             continue
         try:
@@ -400,6 +487,9 @@ def sft_examples(
             stats.dropped.append(conv.where)
             continue
         ids, mask, removed = fit
+        if not has_target(mask):
+            _skip_as(conv.where, stats.no_targets, stats.no_targets_reason, strict)
+            continue
         stats.truncated += removed > 0
         yield SFTExample(ids, mask, conv.where, removed)
 
@@ -430,7 +520,17 @@ def read_pairs(source: Sequence[str | Path] | Iterable[Any], *, format: str | No
         except BadRecord as e:
             _bad(where, str(e), strict, stats)
             continue
+        if _turns(chosen) == _turns(rejected):
+            _skip_as(where, stats.identical, IDENTICAL, strict)
+            continue
         yield PreferencePair(where, prompt, chosen, rejected)
+
+
+IDENTICAL = "identical chosen and rejected"
+
+
+def _turns(messages: list[Message]) -> list[tuple[Any, Any]]:
+    return [(m.get("role"), m.get("content")) for m in messages]
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -493,6 +593,7 @@ def preference_examples(
     """
     _check_too_long(on_too_long)
     stats = stats if stats is not None else DataStats()
+    stats.no_targets_reason = "no response tokens"
     for pair in read_pairs(records, format=format, strict=strict, stats=stats):
         head = [m for m in pair.prompt[:1] if m["role"] == "system"]
         body = pair.prompt[len(head):]
@@ -514,5 +615,12 @@ def preference_examples(
             stats.dropped.append(pair.where)
             continue
         (p, c, cm, rj, rm), removed = out
+        if c == rj:  # different text, the same tokens: nothing to prefer either
+            _skip_as(pair.where, stats.identical, IDENTICAL + " (the same tokens)", strict)
+            continue
+        # position 0 of prompt + response predicts nothing
+        if not (has_target([0] * len(p) + cm) and has_target([0] * len(p) + rm)):
+            _skip_as(pair.where, stats.no_targets, stats.no_targets_reason, strict)
+            continue
         stats.truncated += removed > 0
         yield PreferenceExample(p, c, cm, rj, rm, pair.where, removed)

@@ -40,7 +40,13 @@ import torch
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
-from olmoflow.posttrain.data import DataStats, PreferenceExample, preference_examples
+from olmoflow.posttrain.data import (
+    DataStats,
+    PreferenceExample,
+    nothing_left,
+    preference_examples,
+    split_sources,
+)
 from olmoflow.posttrain.losses import DPO_LOSS_TYPES, dpo_loss
 from olmoflow.posttrain.reference import (  # noqa: F401  (the cache is part of dpo's API)
     REFERENCE_FILE,
@@ -279,18 +285,26 @@ def build_dpo_data(
     Returns:
         ``(dataset, stats)``; ``stats`` counts what was read, skipped, truncated and dropped.
     Raises:
-        OlmoflowError: bad options; under ``strict`` bad input naming ``file:line``; no pair
-            left.
+        OlmoflowError: bad options; under ``strict`` bad input naming ``file:line``; a data file
+            (or the records) giving no pair to train on, naming it with its counts.
     """
     if limit is not None and limit < 1:
         raise OlmoflowError(f"limit must be >= 1 (or None for every pair), got {limit}")
     stats = DataStats()
-    examples = preference_examples(records, template, tokenizer, max_length,
-                                   on_too_long=on_too_long, format=format, strict=strict,
-                                   stats=stats)
-    kept = list(islice(examples, limit))
-    if not kept:
-        raise OlmoflowError(f"no preference pairs left to train on: {stats.summary()}")
+    kept: list[PreferenceExample] = []
+    for name, source in split_sources(records):
+        # Each file on its own: one that gives no pair to train on is named.
+        own = DataStats()
+        examples = preference_examples(source, template, tokenizer, max_length,
+                                       on_too_long=on_too_long, format=format, strict=strict,
+                                       stats=own)
+        got = list(islice(examples, None if limit is None else limit - len(kept)))
+        stats.add(own)
+        if not got:
+            raise nothing_left(name, "preference pairs", own)
+        kept += got
+        if limit is not None and len(kept) >= limit:
+            break
     return PreferenceDataset(kept, max_length, tokenizer.pad_token_id), stats
 
 

@@ -13,12 +13,14 @@ from typing import Any
 
 from olmoflow.errors import closest
 
-SFT_FORMATS = ("messages", "alpaca", "sharegpt", "self_instruct", "text")
+SFT_FORMATS = ("messages", "alpaca", "sharegpt", "self_instruct", "sep", "text")
 PREFERENCE_FORMATS = ("hh_rlhf", "prompt", "messages", "sharegpt", "stack_exchange")
 ROLES = ("system", "user", "assistant", "environment", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "observation": "environment"}
 HH_ASSISTANT = "\n\nAssistant:"
+# The separator of OLMo's ``instruction [SEP] response`` instruction-tuning lines.
+SEP_MARK = " [SEP] "
 
 Message = dict[str, Any]
 
@@ -62,7 +64,7 @@ def _check_messages(messages: Any, *, need_assistant: bool = True) -> list[Messa
 def detect_sft_format(record: Any) -> str | None:
     """The SFT format of one record (see :data:`SFT_FORMATS`), or None when none matches."""
     if isinstance(record, str):
-        return "text"
+        return "sep" if record.count(SEP_MARK) == 1 else "text"
     if not isinstance(record, Mapping):
         return None
     if "messages" in record:
@@ -128,14 +130,14 @@ def to_conversations(record: Any, format: str | None = None) -> list[list[Messag
         keys = ", ".join(sorted(record)) if isinstance(record, Mapping) else type(record).__name__
         raise BadRecord(f"unknown record format (keys: {keys}); expected one of "
                         f"{', '.join(SFT_FORMATS)}")
-    if fmt == "text":
+    if fmt in ("text", "sep"):
         text = record if isinstance(record, str) else (
             _str(record, "text") if isinstance(record, Mapping) else None)
         if not isinstance(text, str):
-            raise BadRecord("a text record must be a string or have a string 'text'")
+            raise BadRecord(f"a {fmt} record must be a string or have a string 'text'")
         if not text.strip():
             raise BadRecord("empty text")
-        return [text]
+        return [split_sep(text) if fmt == "sep" else text]
     if not isinstance(record, Mapping):
         raise BadRecord(f"expected a JSON object for format '{fmt}', got "
                         f"{type(record).__name__}")
@@ -173,6 +175,25 @@ def to_conversations(record: Any, format: str | None = None) -> list[list[Messag
         except BadRecord as e:
             raise BadRecord(f"instances[{i}]: {e}") from None
     return out
+
+
+def split_sep(line: str) -> list[Message]:
+    """An ``instruction [SEP] response`` line (OLMo's instruction-tuning format) as a user turn
+    and an assistant turn; the line's end (newline) is not part of the response.
+
+    Raises:
+        BadRecord: not exactly one ``" [SEP] "``, or an empty instruction or response.
+    """
+    line = line.rstrip("\r\n")
+    if line.count(SEP_MARK) != 1:
+        raise BadRecord(f"an 'instruction [SEP] response' line needs exactly one '{SEP_MARK}', "
+                        f"found {line.count(SEP_MARK)}")
+    instruction, response = line.split(SEP_MARK)
+    if not instruction.strip():
+        raise BadRecord("the instruction before ' [SEP] ' is empty")
+    if not response.strip():
+        raise BadRecord("the response after ' [SEP] ' is empty")
+    return [{"role": "user", "content": instruction}, {"role": "assistant", "content": response}]
 
 
 def split_hh_rlhf(chosen: str, rejected: str) -> tuple[list[Message], str, str]:

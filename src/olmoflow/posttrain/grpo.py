@@ -118,11 +118,14 @@ class GRPOObjective(Objective):
 
     def normalizer(self, batch: Batch, dist: distributed.DistInfo) -> float:
         """Global response tokens (``"token"``) or global sequences (the other types), divided
-        by the world size (the ranks' gradients are averaged)."""
+        by the world size (the ranks' gradients are averaged); 0 when the global batch has no
+        response token at all (the trainer then skips it)."""
         n_tokens = distributed.all_reduce_sum(int(batch["response_mask"].sum()), dist)
         n_seqs = distributed.all_reduce_sum(int(batch["input_ids"].shape[0]), dist)
         ws = dist.world_size
         self._global_tokens = max(1, n_tokens) / ws
+        if n_tokens == 0:
+            return 0.0
         count = n_tokens if self.loss_type == "token" else n_seqs
         return max(1, count) / ws
 

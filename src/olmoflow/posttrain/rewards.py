@@ -196,6 +196,9 @@ def prompt_from_record(rec: Any, where: str) -> RLPrompt:
         if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
             raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+        if not any(m["content"].strip() for m in messages):
+            # nothing to answer: every response would be scored against no question
+            raise ValueError("the prompt is empty (every message's content is blank)")
         return RLPrompt(where, gold, messages=tuple(dict(m) for m in messages))
     prompt = rec.get("prompt", rec.get("question"))
     if not isinstance(prompt, str) or not prompt.strip():
@@ -219,7 +222,8 @@ def read_prompts(source: str | Path | Sequence[str | Path] | Iterable[Any], *,
         limit: keep the first ``limit`` prompts.
     Raises:
         OlmoflowError: a missing file; a bad record under ``strict``, naming ``file:line`` and the
-            missing key; no prompt at all.
+            missing key; no prompt at all (naming the file). A prompt whose messages are all blank
+            is a bad record.
     """
     stats = stats if stats is not None else DataStats()
     out: list[RLPrompt] = []
@@ -235,7 +239,10 @@ def read_prompts(source: str | Path | Sequence[str | Path] | Iterable[Any], *,
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise OlmoflowError(f"no RL prompts read ({stats.summary()})"
+        named = (f"{source}: " if isinstance(source, str | Path) else
+                 f"{', '.join(map(str, source))}: " if isinstance(source, Sequence) and source
+                 and all(isinstance(s, str | Path) for s in source) else "")
+        raise OlmoflowError(f"{named}no RL prompts left to train on ({stats.summary()})"
                             + (f"; first problem: {stats.skipped[0]}" if stats.skipped else ""))
     return out
 

@@ -35,7 +35,14 @@ import torch
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
 from olmoflow.posttrain.chat_template import ChatTemplate
-from olmoflow.posttrain.data import DataStats, SFTExample, check_data_files, sft_examples
+from olmoflow.posttrain.data import (
+    DataStats,
+    SFTExample,
+    check_data_files,
+    nothing_left,
+    sft_examples,
+    split_sources,
+)
 from olmoflow.tokenizer.base import BaseTokenizer
 from olmoflow.train import distributed
 from olmoflow.train.loader import PAD_DOCUMENT, Batch, ShuffledEpochs
@@ -445,7 +452,8 @@ def build_sft_data(
     Returns:
         ``(dataset, stats)``; ``stats.summary()`` and ``dataset.summary()`` are one line each.
     Raises:
-        OlmoflowError: no data at all; a path that is missing or a directory; what
+        OlmoflowError: no data at all; a path that is missing or a directory; a data file (or
+            the processors) giving no example to train on, naming it with its counts; what
             ``sft_examples`` and ``processor_records`` raise.
     """
     if limit is not None and limit < 1:
@@ -454,23 +462,32 @@ def build_sft_data(
         paths = [paths]
     check_data_files(paths)
     stats = DataStats()
-    kw = dict(on_too_long=on_too_long, strict=strict, stats=stats)
+    kw = dict(on_too_long=on_too_long, strict=strict)
     examples: list[SFTExample] = []
-    sources: list[tuple[Any, str | None]] = []
+    sources: list[tuple[str, Any, str | None]] = []
     if paths:
-        sources.append((list(paths), format))
+        sources += [(name, src, format) for name, src in split_sources(list(paths))]
     if processors:
-        sources.append((processor_records(processors, search_path=search_path), None))
+        sources.append(("data.processors",
+                        processor_records(processors, search_path=search_path), None))
     if not sources:
         raise OlmoflowError("no SFT data: give data files or data.processors")
-    for source, fmt in sources:
-        for ex in sft_examples(source, template, tokenizer, sequence_length + 1, format=fmt, **kw):
+    full = False
+    for name, source, fmt in sources:
+        # Each file on its own: one that gives nothing to train on is named (a wrong format, or
+        # every example empty or too long), not hidden among the others.
+        own = DataStats()
+        before = len(examples)
+        for ex in sft_examples(source, template, tokenizer, sequence_length + 1, format=fmt,
+                               stats=own, **kw):
             examples.append(ex)
             if limit is not None and len(examples) >= limit:
+                full = True
                 break
-        if limit is not None and len(examples) >= limit:
+        stats.add(own)
+        if len(examples) == before:
+            raise nothing_left(name, "example", own)
+        if full:
             break
-    if not examples:
-        raise OlmoflowError(f"the SFT data gave no examples ({stats.summary()})")
     return pack_examples(examples, sequence_length, packing=packing,
                          pad_token_id=tokenizer.pad_token_id, seed=seed), stats

@@ -101,6 +101,18 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_all(seed: int) -> None:
+    """Seed every RNG a training step can touch (Python, NumPy, torch CPU and every CUDA device)
+    from ``seed``: what a stage does first, so that two runs of one config draw the same dropout
+    masks whatever the process did before (a resume then restores :func:`rng_state` from the
+    checkpoint instead)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device's generator, CUDA included
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured (or, from checkpoints saved before it stored plain
     data, the tuples of ``random.getstate`` and ``np.random.get_state``)."""

@@ -51,6 +51,8 @@ from olmoflow.train.schedule import lr_at
 __all__ = ["METRICS", "Trainer", "autocast_dtype", "build_optimizer"]
 
 METRICS = "metrics.jsonl"
+# Global batches in a row without a target token after which the data is taken to have none.
+MAX_EMPTY_BATCHES = 1000
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +147,7 @@ class Trainer:
             cfg.global_batch_size, 1 if cfg.auto_micro_batch else cfg.micro_batch_size, self.dp)
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.step, self.tokens_seen = 0, 0
+        self.empty_batches = 0  # global batches skipped for having no target token
         self.last_loss: float | None = None
         # The detailed log (olmoflow.train.metrics): None when off, so steps pay nothing for it.
         detailed = cfg.log.detailed_interval
@@ -184,6 +187,8 @@ class Trainer:
                  "objective": {"name": self.objective.name, "state": objective}}
         if isinstance(self.optimizer, SkipStepAdamW):
             state["optimizer"]["skip_step_history"] = self.optimizer.history_state()
+        if self.empty_batches:
+            state["empty_batches"] = self.empty_batches
         return state
 
     def save(self) -> Path:
@@ -235,6 +240,7 @@ class Trainer:
                                 f"objective, not '{self.objective.name}'")
         state = load_checkpoint(path, self.model, self.optimizer, verify=False)  # verified above
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.empty_batches = int(state.get("empty_batches", 0))
         self.loader.load_state_dict(state["data_loader"])
         self.data_state = None
         history = state.get("optimizer", {}).get("skip_step_history")
@@ -269,7 +275,9 @@ class Trainer:
         ``batch`` is what the loader yields (or a dict of ``[B, ...]`` tensors), made a batch by
         ``objective.prepare``: for language modelling ``input_ids``, ``labels`` and, with
         intra-document masking, ``doc_ids`` (``[B, T]``). ``skipped`` is 1 when a skip-step
-        optimizer dropped the update (loss/grad-norm spike).
+        optimizer dropped the update (loss/grad-norm spike). A global batch without any target
+        (the objective's normaliser is 0: every label ignored) is not trained on: it returns
+        None, the step does not advance, and :attr:`empty_batches` counts it.
 
         Raises:
             OlmoflowError: the batch's fields do not share one leading (batch) dimension.
@@ -289,6 +297,15 @@ class Trainer:
         d, global_tokens = self.dp, objective.num_tokens(fields)
         fields = {k: distributed.shard_batch(v, d) for k, v in fields.items()}
         normalizer = objective.normalizer(fields, d)
+        if normalizer == 0:
+            # Nothing of the whole global batch is trained (the count is all-reduced: every rank
+            # agrees): no forward, no update, no step; counted, and the data cursor moves on.
+            self.empty_batches += 1
+            if self.dist.is_main:
+                log.warning("the global batch after step %d has no target token (nothing to "
+                            "train: every label ignored); skipped without an update (%d so far)",
+                            self.step, self.empty_batches)
+            return None
         probe = self.metrics if "input_ids" in fields else None
         if probe is not None:
             ids = fields["input_ids"]
@@ -417,6 +434,7 @@ class Trainer:
                    disable=not (self.progress and self.dist.is_main), dynamic_ncols=True)
         start, window_t, window_tokens = time.time(), time.time(), 0
         interrupted = False
+        empty_run = 0  # global batches in a row without a target
         try:
             while self.step < cfg.max_steps:
                 # Under torchrun the ranks stop together, even when the signal reaches them a step
@@ -430,6 +448,15 @@ class Trainer:
                 tokens_before = self.tokens_seen
                 m = self.train_step(batch)
                 self.data_state = getattr(batch, "state", None)
+                if m is None:  # no target in the batch: nothing trained, the step not taken
+                    empty_run += 1
+                    if empty_run >= MAX_EMPTY_BATCHES:
+                        raise OlmoflowError(
+                            f"{empty_run} global batches in a row after step {self.step} have no "
+                            "target token (every label ignored): the data has nothing to train "
+                            "on")
+                    continue
+                empty_run = 0
                 window_tokens += self.tokens_seen - tokens_before
                 bar.update(1)
                 evals = self.run_callbacks()
@@ -463,8 +490,11 @@ class Trainer:
                       "to resume", flush=True)
             raise Terminated(signal.SIGTERM) if term else KeyboardInterrupt
         # last_loss, not the last log line: a resume at max_steps trains and logs nothing.
-        return {"steps": self.step, "tokens": self.tokens_seen, "final_loss": self.last_loss,
-                "checkpoint": str(final), "elapsed_s": time.time() - start}
+        out = {"steps": self.step, "tokens": self.tokens_seen, "final_loss": self.last_loss,
+               "checkpoint": str(final), "elapsed_s": time.time() - start}
+        if self.empty_batches:
+            out["empty_batches"] = self.empty_batches
+        return out
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -84,6 +84,16 @@ def check_same_tokenizer(base: Base, other: Base, key: str) -> None:
                             "reference must share the base's tokenizer")
 
 
+def seed_stage(cfg: RunConfig) -> None:
+    """Seed every RNG (Python, NumPy, torch, CUDA) from the run's seed, first thing in a
+    post-training stage, as pretraining seeds its model: two runs of one config are then
+    bit-identical with dropout (``model.dropout``, ``<stage>.lora.dropout``), whatever ran before
+    in the process; a resumed run takes the RNG state from its checkpoint."""
+    from olmoflow.train.checkpoint import seed_all
+
+    seed_all(cfg.seed)
+
+
 def say(stage: str, message: str) -> None:
     """One line of what a stage found in its input (data counts, LoRA sizes), as the stage
     lines of the runner print (rank 0 only under torchrun)."""
@@ -195,15 +205,21 @@ def result_of(summary: dict, out: Path, base: Base, inputs: list[Path], tokenize
 
 def data_counts(stats: Any, kept: str) -> dict[str, int]:
     """What the manifest counts of a stage's data (a :class:`~olmoflow.posttrain.data.DataStats`):
-    the examples kept (under the name ``kept``), skipped as bad input, truncated and dropped."""
-    return {kept: stats.kept, "skipped": len(stats.skipped), "truncated": stats.truncated,
-            "dropped": len(stats.dropped)}
+    the examples kept (under the name ``kept``), skipped (bad input or nothing to train on:
+    ``skipped_no_targets`` and ``skipped_identical`` say how many of them, when any), truncated
+    and dropped."""
+    named = {"skipped_no_targets": len(stats.no_targets),
+             "skipped_identical": len(stats.identical)}
+    out = {kept: stats.kept, "skipped": len(stats.skipped) + sum(named.values()),
+           "truncated": stats.truncated, "dropped": len(stats.dropped)}
+    return {**out, **{k: v for k, v in named.items() if v}}
 
 
 def run_sft(cfg: RunConfig, progress: bool) -> StageResult:
     """Supervised fine-tuning of the base on ``sft.data``."""
     from olmoflow.posttrain.sft import SFTLoader, SFTObjective, build_sft_data
 
+    seed_stage(cfg)
     s = cfg.sft
     if not s.data.given:
         raise OlmoflowError("sft: no data; set sft.data.paths (JSONL of messages, Alpaca, "
@@ -292,6 +308,7 @@ def run_dpo(cfg: RunConfig, progress: bool) -> StageResult:
         build_dpo_data,
     )
 
+    seed_stage(cfg)
     d = cfg.dpo
     if not d.data.given:
         raise OlmoflowError("dpo: no data; set dpo.data.paths (HH-RLHF chosen/rejected, "
@@ -363,6 +380,7 @@ def run_rl(cfg: RunConfig, progress: bool) -> StageResult:
     from olmoflow.posttrain.rollout import HeldOutReward, RolloutLoader
     from olmoflow.train.precision import autocast_dtype
 
+    seed_stage(cfg)
     r = cfg.rl
     base = load_base(cfg, "rl")
     template = None
