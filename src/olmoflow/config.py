@@ -13,7 +13,8 @@ of rules:
   path in front (``sources[0].options.max_document_bytes must be ...``);
 - a section may accept older spellings of its keys: a dataclass with a classmethod
   ``upgrade_keys(data, prefix) -> data`` rewrites its raw mapping before it is checked, and calls
-  :func:`note_renamed` so the user sees one line naming the new key.
+  :func:`note_renamed` so the user sees one line naming the new key (:func:`note_equivalent` for
+  another project's key, OLMo's, read as its exact equivalent).
 """
 
 from __future__ import annotations
@@ -84,6 +85,17 @@ def note_renamed(old: str, new: str) -> None:
         if os.environ.get("RANK", "0") != "0":
             return
         print(f"olmoflow: note: config key '{old}' is now '{new}'", file=sys.stderr)
+
+
+def note_equivalent(theirs: str, ours: str, source: str = "OLMo") -> None:
+    """Tell the user once per process (rank 0 only) that ``source``'s config key ``theirs`` was
+    read as olmoflow's ``ours``, its exact equivalent."""
+    if (theirs, ours) not in _NOTED:
+        _NOTED.add((theirs, ours))
+        if os.environ.get("RANK", "0") != "0":
+            return
+        print(f"olmoflow: note: {source}'s config key '{theirs}' is read as '{ours}'",
+              file=sys.stderr)
 
 
 def all_keys(cls: type, prefix: str = "") -> list[str]:

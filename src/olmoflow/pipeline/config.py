@@ -60,7 +60,16 @@ class RunConfig:
         """Accept the forms of OLMo's docs: a top-level ``resume_from`` (``olmoflow pretrain CONFIG
         resume_from=latest``), and a finetuning config's top-level ``optimizer: {type, lr}`` and
         ``data: {paths: [...]}``, which are ``train.checkpoint.resume_from``, ``train.optimizer``
-        and ``train.data`` here (the last two with a one-line note)."""
+        and ``train.data`` here (the last two with a one-line note).
+
+        Raises:
+            OlmoflowError: OLMo's ``run_name`` or ``save_folder`` (:data:`OLMO_RUN_KEYS`), naming
+                ``run_dir``.
+        """
+        for key, does in OLMO_RUN_KEYS.items():
+            if key in data:
+                raise OlmoflowError(f"{key}={data[key]!r} is OLMo's; olmoflow has no such key: "
+                                    f"{does}")
         if "resume_from" in data:
             train = _subsection(data, "train")
             _subsection(train, "checkpoint")["resume_from"] = data.pop("resume_from")
@@ -115,13 +124,40 @@ def finetune_sections() -> list[str]:
             and "base" in {g.name for g in dataclasses.fields(hints[f.name])}]
 
 
+#: OLMo's top-level trainer keys, put in the training section they belong to (``train``, or the
+#: stage's ``<stage>.train`` for a finetuning config), where ``TrainConfig`` and its sections read
+#: them as their exact equivalents or name the key that does the job.
+OLMO_TRAIN_PLACES = {"global_train_batch_size": "global_train_batch_size",
+                     "device_train_microbatch_size": "device_train_microbatch_size",
+                     "max_duration": "max_duration", "scheduler": "schedule",
+                     "reset_trainer_state": "checkpoint.reset_trainer_state"}
+#: OLMo's top-level keys with no equivalent here, and what does their job.
+OLMO_RUN_KEYS = {
+    "run_name": "a run is named by its directory: set run_dir (e.g. run_dir=runs/NAME)",
+    "save_folder": "checkpoints are written to run_dir/<stage>/ (pretrain/, sft/, ...): set "
+                   "run_dir",
+}
+
+
+def olmo_keys(train: str) -> Callable[[str], str]:
+    """The key mapping that puts OLMo's top-level trainer keys (:data:`OLMO_TRAIN_PLACES`) into
+    the training section ``train`` (``"train"`` or ``"sft.train"``); other keys are unchanged."""
+    def reroot(key: str) -> str:
+        head, _, rest = key.partition(".")
+        if head in OLMO_TRAIN_PLACES:
+            return f"{train}.{OLMO_TRAIN_PLACES[head]}" + (f".{rest}" if rest else "")
+        return key
+
+    return reroot
+
+
 def finetune_form(name_or_path: str | None, stage: str | None) -> Callable[[str], str] | None:
     """For ``olmoflow sft CONFIG`` (likewise ``dpo``, ``rl``) where CONFIG is written the way OLMo's
     docs write a finetuning config (top-level ``data: {paths: [...]}`` or ``data.processors``,
     ``train``, ``optimizer``, ``load_path``, and no ``sft`` section): the key mapping that puts
     those keys in the stage's section (``train`` -> ``sft.train``, ``optimizer`` ->
-    ``sft.train.optimizer``, ``data`` -> ``sft.data``, ``load_path`` -> ``sft.base``). None for
-    any other config or verb."""
+    ``sft.train.optimizer``, ``data`` -> ``sft.data``, ``load_path`` -> ``sft.base``, and OLMo's
+    trainer keys, :func:`olmo_keys`, into ``sft.train``). None for any other config or verb."""
     if stage not in finetune_sections() or not name_or_path:
         return None
     try:
@@ -135,9 +171,11 @@ def finetune_form(name_or_path: str | None, stage: str | None) -> Callable[[str]
               "data": f"{stage}.data", "load_path": f"{stage}.base",
               "scheduler": f"{stage}.train.schedule"}
 
+    olmo = olmo_keys(f"{stage}.train")
+
     def reroot(key: str) -> str:
         head, _, rest = key.partition(".")
-        return places[head] + (f".{rest}" if rest else "") if head in places else key
+        return places[head] + (f".{rest}" if rest else "") if head in places else olmo(key)
 
     return reroot
 
@@ -149,18 +187,20 @@ def load_config(name_or_path: str | None = "demo", overrides: list[str] | None =
     ``overrides`` are ``key=value`` strings (values parsed as YAML); ``values`` maps dotted keys to
     Python values, applied last (what CLI flags such as ``--data`` set). A top-level
     ``resume_from`` (``olmoflow pretrain CONFIG resume_from=latest``, the form OLMo's docs use) is
-    ``train.checkpoint.resume_from``: ``latest``, a checkpoint directory, or ``stepN``; older
-    spellings of keys are accepted with a note (see :meth:`RunConfig.upgrade_keys` and
-    :meth:`~olmoflow.train.config.TrainConfig.upgrade_keys`). ``stage``: the verb's stage; for a
-    post-training verb a finetuning config in OLMo's form is read into its section (see
-    :func:`finetune_form`).
+    ``train.checkpoint.resume_from``: ``latest``, a checkpoint directory, or ``stepN``; OLMo's
+    trainer keys (``global_train_batch_size``, ``max_duration``, ...; :func:`olmo_keys`) go to the
+    training section and are read as their exact equivalents with a note, or are an error naming
+    the key that does the job; older spellings of keys are accepted with a note (see
+    :meth:`RunConfig.upgrade_keys` and :meth:`~olmoflow.train.config.TrainConfig.upgrade_keys`).
+    ``stage``: the verb's stage; for a post-training verb a finetuning config in OLMo's form is
+    read into its section (see :func:`finetune_form`).
 
     Raises:
         OlmoflowError: missing file, invalid YAML, unknown key (with the closest valid key), or a
             value of the wrong type.
     """
     tree = load_tree(name_or_path, overrides, values, schema=RunConfig,
-                     reroot=finetune_form(name_or_path, stage))
+                     reroot=finetune_form(name_or_path, stage) or olmo_keys("train"))
     if name_or_path and "run_dir" not in tree:
         # A config that names no run directory gets its own, never another preset's.
         tree["run_dir"] = f"runs/{resolve_preset(name_or_path).stem}"

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from olmoflow.config import note_renamed
+from olmoflow.config import note_equivalent, note_renamed
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 OPTIMIZERS = ("adamw", "skip_step_adamw", "muon")
@@ -64,6 +64,16 @@ class OptimizerConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
 
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """Read OLMo's optimizer keys, exact equivalents: ``name`` is ``type`` (OLMo's
+        ``adamw``; another name is the usual unknown-type error), ``learning_rate`` is ``lr``."""
+        for theirs, ours in (("name", "type"), ("learning_rate", "lr")):
+            if theirs in data:
+                note_equivalent(f"optimizer.{theirs}", f"{prefix}{ours}")
+                data[ours] = data.pop(theirs)
+        return data
+
     def __post_init__(self) -> None:
         p = "train.optimizer"
         if self.type not in OPTIMIZERS:
@@ -95,6 +105,21 @@ class ScheduleConfig:
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
 
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """OLMo's ``scheduler.name`` has no exact equivalent (its warmup starts elsewhere and its
+        decay ends at ``alpha_f``): the error names the keys that set the schedule here."""
+        if "name" in data:
+            name = data["name"]
+            ours = next((t for t in SCHEDULES if isinstance(name, str) and name.startswith(t)),
+                        None)
+            hint = f"{prefix}type={ours}" if ours else f"{prefix}type"
+            raise OlmoflowError(
+                f"scheduler.name={name!r} is OLMo's scheduler, which olmoflow does not read as "
+                f"such: set {hint} (one of {', '.join(SCHEDULES)}), with {prefix}warmup_steps "
+                f"and {prefix}min_lr_ratio for OLMo's t_warmup and alpha_f")
+        return data
+
     def __post_init__(self) -> None:
         p = "train.schedule"
         if self.type not in SCHEDULES:
@@ -121,6 +146,35 @@ class CheckpointConfig:
     keep_last: int = 0
     stage: str = "stage1"
     resume_from: str | None = None
+
+    @classmethod
+    def upgrade_keys(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """OLMo's ``reset_trainer_state`` (here, as :data:`OLMO_TRAIN_KEYS` places it): ``true`` is
+        what a post-training stage always does from its ``base`` (weights only, a fresh trainer),
+        so it is read as that; anything else has no equivalent and the error names the key that
+        does the job (``resume_from`` continues a trainer state, ``<stage>.base`` starts from
+        weights)."""
+        if "reset_trainer_state" not in data:
+            return data
+        value = data.pop("reset_trainer_state")
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        # a post-training stage's section is ``<stage>.train.checkpoint``, pretraining's
+        # ``train.checkpoint``
+        stage = prefix.split(".", 1)[0]
+        posttrain = bool(prefix) and stage != "train"
+        if posttrain and value is True:
+            note_equivalent("reset_trainer_state: true", f"{stage}.base (weights only, a fresh "
+                            "trainer: what a post-training stage always does)")
+            return data
+        if posttrain:
+            raise OlmoflowError(
+                f"reset_trainer_state={shown}: a post-training stage starts from {stage}.base "
+                f"with a fresh trainer; to continue a checkpoint's trainer state set "
+                f"{prefix}resume_from (latest or a checkpoint directory)")
+        raise OlmoflowError(
+            f"reset_trainer_state={shown} has no equivalent in pretraining: "
+            f"{prefix}resume_from continues a checkpoint with its whole trainer state; to start "
+            "from trained weights with a fresh trainer, post-train from them (sft.base)")
 
     def __post_init__(self) -> None:
         p = "train.checkpoint"
@@ -275,6 +329,30 @@ RENAMED = {
     "log_interval": "log.interval", "detailed_log_interval": "log.detailed_interval",
     "loggers": "log.loggers", "grad_clip": "max_grad_norm", "batch_size": "global_batch_size",
 }
+# OLMo's trainer keys (its top-level config keys) with an exact equivalent in ``train``:
+# instances per optimizer step, instances per device and micro-batch.
+OLMO_TRAIN_KEYS = {"global_train_batch_size": "global_batch_size",
+                   "device_train_microbatch_size": "micro_batch_size"}
+
+
+def _max_duration_steps(value: Any, prefix: str) -> Any:
+    """OLMo's ``max_duration`` as ``max_steps``: a number of steps is the same thing (``1000``,
+    ``"1000"``); epochs (``"2ep"``) and tokens (``"2e12T"``) are not, and the error says what to
+    set."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool):
+        note_equivalent("max_duration", f"{prefix}max_steps")
+        return value
+    text = str(value).strip()
+    unit = ("epochs" if text.endswith("ep") else "tokens" if text.endswith("T") else None)
+    how = (f"steps = epochs x examples / {prefix}global_batch_size" if unit == "epochs" else
+           f"steps = tokens / ({prefix}global_batch_size x {prefix}sequence_length)"
+           if unit == "tokens" else "a number of optimizer steps")
+    raise OlmoflowError(f"max_duration={value!r}" + (f" counts {unit}" if unit else "")
+                        + f"; olmoflow counts optimizer steps: set {prefix}max_steps ({how})")
+
+
 # A string where a section is now (``train.optimizer: muon``) names its type.
 SECTION_TYPES = {"optimizer": "optimizer.type", "schedule": "schedule.type"}
 
@@ -319,7 +397,18 @@ class TrainConfig:
         to their nested places, noting each rename once; a flat key wins over the nested one (it
         was given later, e.g. as an override of a nested preset). ``batch_size`` (OLMo's
         finetuning form) is the global batch; without a ``micro_batch_size`` it is one
-        micro-batch too."""
+        micro-batch too. OLMo's trainer keys with an exact equivalent are read as it, with a
+        note (:data:`OLMO_TRAIN_KEYS`, ``max_duration`` given in steps).
+
+        Raises:
+            OlmoflowError: ``max_duration`` in epochs or tokens (naming ``max_steps``).
+        """
+        for theirs, ours in OLMO_TRAIN_KEYS.items():
+            if theirs in data:
+                note_equivalent(theirs, f"{prefix}{ours}")
+                data[ours] = data.pop(theirs)
+        if "max_duration" in data:
+            data["max_steps"] = _max_duration_steps(data.pop("max_duration"), prefix)
         if "batch_size" in data and "micro_batch_size" not in data:
             data["micro_batch_size"] = data["batch_size"]
         for key, where in SECTION_TYPES.items():
