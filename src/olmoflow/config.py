@@ -410,6 +410,9 @@ def load_tree(name_or_path: str | None, overrides: list[str] | None = None,
         if reroot is not None:
             moved: dict[str, Any] = {}
             for key, value in raw.items():
+                if not isinstance(key, str):  # YAML's ``1: 2``: from_dict names it as it is
+                    moved[key] = value
+                    continue
                 part: dict[str, Any] = {}
                 set_dotted(part, reroot(key), value)
                 moved = merge(moved, part)
