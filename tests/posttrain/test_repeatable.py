@@ -16,11 +16,11 @@ import torch
 import yaml
 
 from olmoflow.model.config import ModelConfig
+from olmoflow.model.load import load_step_model
 from olmoflow.model.olmo import Olmo
 from olmoflow.pipeline.config import load_config
 from olmoflow.pipeline.stages.posttrain import run_dpo, run_sft
 from olmoflow.posttrain.sft import SFTLoader
-from olmoflow.release.export import load_step_model
 from olmoflow.tokenizer import BPETokenizer
 from olmoflow.train.checkpoint import save_checkpoint
 from olmoflow.train.trainer import METRICS
