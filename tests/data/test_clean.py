@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from olmoflow.config import from_dict
 from olmoflow.data.clean import clean
 from olmoflow.data.config import CleanConfig, CollectConfig
 from olmoflow.data.documents import DOCUMENTS, read_documents, write_documents
@@ -106,3 +107,69 @@ def test_collect_then_clean_real_data(tmp_path):
     assert c["removed_duplicate"] == 280 and c["documents"] == 498
     texts = [d["text"] for d in read_documents(result.outputs[0])]
     assert len(set(texts)) == len(texts)
+
+
+SHOUTING_CLEAN = '''
+from olmoflow.data.taggers import Tagger, register_tagger
+
+
+@register_tagger("shouting_clean")
+class Shouting(Tagger):
+    def tag(self, doc):
+        text = doc["text"]
+        letters = [c for c in text if c.isalpha()]
+        frac = sum(c.isupper() for c in letters) / max(len(letters), 1)
+        return {self.attr("upper_fraction"): [[0, len(text), frac]]}
+'''
+
+
+def test_a_tagger_registered_once_filters_both_the_engine_and_olmoflow_run(tmp_path, capsys):
+    # One plugin file and one rule: `olmoflow data run`'s mixer and `olmoflow run`'s clean stage
+    # drop the same document (clean used only its fixed rules before).
+    import json
+
+    from olmoflow.cli import main
+    from olmoflow.data.engine import Engine, load_data_config
+    from olmoflow.data.engine.report import step_manifests
+
+    plugin = tmp_path / "shout.py"
+    plugin.write_text(SHOUTING_CLEAN)
+    rule = "shouting_clean__upper_fraction > 0.5"
+    src = tmp_path / "in" / "a.jsonl"
+    src.parent.mkdir()
+    texts = ["quiet words here, nothing loud", "LOUD WORDS HERE, ALL OF THEM", "Mixed Case Words"]
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    cfg_path = tmp_path / "data.yaml"
+    cfg_path.write_text(json.dumps({
+        "output": str(tmp_path / "engine"), "executor": "serial", "steps": ["ingest", "tag", "mix"],
+        "sources": [{"name": "web", "paths": [str(src)]}], "plugins": [str(plugin)],
+        "taggers": ["shouting_clean"], "mixer": {"exclude": [rule]}}))
+    Engine(load_data_config(cfg_path)).run()
+    mixed = step_manifests(tmp_path / "engine")["mix"]["counts"]
+    assert mixed["removed"][f"exclude: {rule}"]["documents"] == 1
+
+    run = ["--run-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main(["collect", "tiny", *run, f"collect.sources=[{src}]"]) == 0
+    assert main(["clean", "tiny", *run, "clean.min_chars=1", f"clean.plugins=[{plugin}]",
+                 "clean.taggers=[shouting_clean]", f"clean.exclude=['{rule}']"]) == 0
+    capsys.readouterr()
+    kept = [d["text"] for d in read_documents(tmp_path / "run" / "clean" / DOCUMENTS)]
+    assert kept == [texts[0], texts[2]]
+    counts = json.loads((tmp_path / "run" / "clean" / "manifest.json").read_text())["counts"]
+    assert counts["removed_by_rule"] == {f"exclude: {rule}": 1}
+    # A rule naming an attribute no tagger writes is one line naming the closest.
+    assert main(["clean", "tiny", *run, "clean.min_chars=1", f"clean.plugins=[{plugin}]",
+                 "clean.taggers=[shouting_clean]",
+                 "clean.exclude=['shouting_clean__upper_fractoin > 0.5']"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "clean.exclude[0]: unknown attribute" in err
+    assert "did you mean 'shouting_clean__upper_fraction'" in err
+
+
+def test_clean_rules_are_checked_when_the_config_loads():
+    with pytest.raises(OlmoflowError, match=r"clean\.exclude\[0\]: cannot parse rule"):
+        from_dict(CleanConfig, {"exclude": ["a = 1"]}, "clean.")
+    with pytest.raises(OlmoflowError, match="clean.taggers: unknown option of tagger 'gopher'"):
+        CleanConfig(taggers=[{"gopher": {"min_wrods": 3}}])
+    assert CleanConfig().exclude == [] and CleanConfig().taggers == []

@@ -331,7 +331,7 @@ def m_cwd(tmp_path, monkeypatch):
 
 
 def test_a_plugin_module_in_the_current_directory_is_refused(m_cwd):
-    from olmoflow.data.engine.steps import import_plugins
+    from olmoflow.data.taggers import import_plugins
 
     (m_cwd / "my_taggers.py").write_text(PLUGIN)
     with pytest.raises(OlmoflowError, match=r"plugins: cannot import 'my_taggers': .*current "

@@ -52,17 +52,44 @@ class CollectConfig:
 
 @dataclass
 class CleanConfig:
-    """Document filters: length bounds in characters (after stripping) and exact deduplication.
+    """Document filters: length bounds in characters (after stripping), the data engine's
+    taggers and rules, and exact deduplication.
+
+    ``taggers`` are the engine's (:mod:`olmoflow.data.taggers`: built-in ones or any registered
+    with ``@register_tagger`` in a module of ``plugins``, which are imported when clean runs);
+    ``exclude`` rules over their attributes, in the mixer's syntax (``"gopher__word_count < 50"``,
+    :mod:`olmoflow.data.rules`), drop a document when one holds. None by default.
 
     Raises:
-        OlmoflowError: ``min_chars`` below 0, or ``max_chars`` below ``min_chars``.
+        OlmoflowError: ``min_chars`` below 0, ``max_chars`` below ``min_chars``, a rule that does
+            not parse, or a built-in tagger's bad option.
     """
 
     min_chars: int = 64
     max_chars: int = 1_000_000
     dedup: bool = True
+    taggers: list[Any] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+    exclude: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from olmoflow.data.rules import parse_rule
+        from olmoflow.data.taggers import check_taggers
+
+        rules = []
+        for i, r in enumerate(self.exclude):
+            try:
+                rules.append(parse_rule(r, f"exclude[{i}]"))
+            except OlmoflowError as e:  # parse_rule's message begins with its "where"
+                where, _, problem = str(e).partition(": ")
+                raise ConfigValueError(where, problem) from None
+        self.exclude = rules
+        try:
+            check_taggers(self.taggers, known_only=True)  # plugins' names once they are imported
+        except OlmoflowError as e:
+            text = str(e)
+            raise OlmoflowError(f"clean.{text}" if text.startswith("taggers")
+                                else f"clean.taggers: {text}") from None
         # Checked when the config is loaded, before a rerun touches the stage's finished output.
         if self.min_chars < 0:
             raise OlmoflowError(f"clean.min_chars must be >= 0, got {self.min_chars}")

@@ -23,6 +23,7 @@ from olmoflow.data.engine.step_helpers import (
     relative_shards,
     step_stats,
 )
+from olmoflow.data.taggers import import_plugins
 from olmoflow.errors import OlmoflowError, unknown_name_error
 
 if TYPE_CHECKING:  # the engine runs these steps; they only use the object it hands them
@@ -288,28 +289,6 @@ def run_train_quality(engine: EngineView):
     counts = {k: v for k, v in res.items() if k != "errors"}
     return (StageResult(inputs=[Path(f) for f in files],
                         outputs=[out / MODEL_FILE, out / REPORT_FILE], counts=counts), {})
-
-
-def import_plugins(plugins: list[str]) -> None:
-    """Import the user's modules that register taggers (``@register_tagger``): this runs their
-    code. A ``.py`` path is a file (relative to the current directory, like ``sources`` paths);
-    a dotted name is a module on the Python path, never taken from the current directory
-    implicitly (see :mod:`olmoflow.user_code`). Imported once per process.
-
-    Raises:
-        OlmoflowError: a module that cannot be imported (its error named), or one that would be
-            imported from the current directory only because Python put it on ``sys.path``.
-    """
-    from olmoflow import user_code
-
-    for plugin in plugins:
-        try:
-            if plugin.endswith(".py"):
-                user_code.load_file(plugin)
-            else:
-                user_code.import_module(plugin, "plugins: [./{file}]")
-        except OlmoflowError as e:
-            raise OlmoflowError(f"plugins: cannot import '{plugin}': {e}") from None
 
 
 def tag_with_plugins(task: dict[str, Any]) -> dict[str, Any]:

@@ -203,6 +203,38 @@ def get_tagger(name: str, **options: Any) -> Tagger:
     return _REGISTRY[name](**options)
 
 
+def make_taggers(spec: Any) -> list[Tagger]:
+    """The taggers a config's ``taggers`` names (a name, a list of names or ``{name: {options}}``
+    entries, or a mapping), each a new instance: what a tag shard job and ``clean`` run.
+
+    Raises:
+        OlmoflowError: a malformed entry, an unknown tagger (naming the closest) or option.
+    """
+    return [get_tagger(name, **opts) for name, opts in _tagger_specs(spec)]
+
+
+def import_plugins(plugins: list[str]) -> None:
+    """Import the user's modules that register taggers (``@register_tagger``): this runs their
+    code. A ``.py`` path is a file (relative to the current directory, like ``sources`` paths);
+    a dotted name is a module on the Python path, never taken from the current directory
+    implicitly (see :mod:`olmoflow.user_code`). Imported once per process.
+
+    Raises:
+        OlmoflowError: a module that cannot be imported (its error named), or one that would be
+            imported from the current directory only because Python put it on ``sys.path``.
+    """
+    from olmoflow import user_code
+
+    for plugin in plugins:
+        try:
+            if plugin.endswith(".py"):
+                user_code.load_file(plugin)
+            else:
+                user_code.import_module(plugin, "plugins: [./{file}]")
+        except OlmoflowError as e:
+            raise OlmoflowError(f"plugins: cannot import '{plugin}': {e}") from None
+
+
 def _tagger_specs(spec: Any) -> list[tuple[str, dict[str, Any]]]:
     """Normalize a task's ``taggers``: a name, a list of names / one-key dicts, or a dict."""
     if isinstance(spec, str):
@@ -271,7 +303,7 @@ def tag_shard(task: dict[str, Any]) -> dict[str, Any]:
     strict = bool(task.get("strict", False))
     if not src.is_file():
         raise OlmoflowError(f"no such documents shard: '{src}'")
-    taggers = [get_tagger(name, **opts) for name, opts in _tagger_specs(task["taggers"])]
+    taggers = make_taggers(task["taggers"])
     seconds = dict.fromkeys((t.name for t in taggers), 0.0)
     errors: list[str] = []
     stats = {"documents_in": 0, "documents_out": 0, "bytes_in": 0}
@@ -336,6 +368,7 @@ def read_attributes(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "Spans", "Tagger", "get_tagger", "read_attributes", "register_tagger", "tag_shard",
+    "Spans", "Tagger", "get_tagger", "import_plugins", "make_taggers", "read_attributes",
+    "register_tagger", "tag_shard",
     "tagger_names",
 ]

@@ -69,9 +69,19 @@ def source_stamp(cfg: RunConfig) -> list[Any]:
 COLLECT = Stage("collect", run_collect, ("collect",), (),
                 ("documents", "bytes", "skipped_malformed", "damaged_files"),
                 help="read the sources into Dolma documents", stamp=source_stamp, enabled=own_data)
+def plugin_stamp(cfg: RunConfig) -> list[Any]:
+    """The content hash of each plugin file of ``clean.plugins`` (their taggers shape what
+    clean keeps: an edited plugin reruns it)."""
+    from pathlib import Path
+
+    return [[p, sha256_file(p) if Path(p).is_file() else None]
+            for p in cfg.clean.plugins if p.endswith(".py")]
+
+
 CLEAN = Stage("clean", run_clean, ("clean",), ("collect",),
               ("documents", "removed_too_short", "removed_too_long", "removed_duplicate"),
-              help="length filters and exact deduplication", enabled=own_data)
+              help="length filters, the data engine's taggers and rules, exact deduplication",
+              stamp=plugin_stamp, enabled=own_data)
 TOKENIZE = Stage("tokenize", run_tokenize, ("tokenize", "seed"), ("clean", "train-tokenizer"),
                  ("train_tokens", "heldout_tokens", "train_documents", "heldout_documents"),
                  help="token arrays and the held-out split", enabled=own_data, directory="tokens")
