@@ -10,6 +10,12 @@ References: Dettmers et al. 2022, "LLM.int8()" (bitsandbytes ``Linear8bitLt`` wi
 ``has_fp16_weights=False``: int8 weights with one fp32 scale per output row, ``SCB``); torchao
 ``quantize_(model, Int8WeightOnlyConfig())`` (int8 weights, per-row scales, activations unchanged).
 Both run on CPU (bitsandbytes >= 0.45 ships a CPU backend for int8).
+
+A bitsandbytes int8 model saves as ``transformers`` saves one (``Olmo.save_pretrained``: each
+quantized linear's int8 ``weight`` with its fp32 row scales ``SCB``, and ``quantization_config``
+in ``config.json``) and loads back bit-identically (:func:`load_int8_linears`: the saved int8
+weights and scales are used as they are, never re-quantized). A torchao model does not save:
+its tensor subclasses have no safetensors layout that ``transformers`` reads.
 """
 
 from __future__ import annotations
@@ -65,6 +71,41 @@ def quantize_model(model: nn.Module, method: str = "torchao", *,
             q.bias = nn.Parameter(lin.bias.data.detach().clone(), requires_grad=False)
         setattr(parent, name.rpartition(".")[2], q.to(dev))  # moving quantizes the weight
     return model
+
+
+def load_int8_linears(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], *,
+                      threshold: float = 0.0) -> None:
+    """Replace the linears named in ``saved`` by bitsandbytes int8 linears holding the saved
+    tensors as they are, in place: ``saved[name]`` has ``weight`` (int8, ``[out, in]``), ``SCB``
+    (fp32 absmax per output row, ``[out]``) and ``bias`` when the layer has one. The weights
+    are not quantized again, so the model computes exactly what the saved one did.
+
+    Raises:
+        ImportError: bitsandbytes is not installed.
+        ValueError: a name that is not a linear of ``model``, or tensors of the wrong dtype or
+            shape for it.
+    """
+    import bitsandbytes as bnb
+
+    for name, t in saved.items():
+        lin = model.get_submodule(name)
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(f"{name} is not a linear layer of the model")
+        w, scb = t["weight"], t["SCB"]
+        if w.dtype != torch.int8 or tuple(w.shape) != (lin.out_features, lin.in_features) \
+                or scb.dtype != torch.float32 or tuple(scb.shape) != (lin.out_features,):
+            raise ValueError(f"{name}: int8 weight {tuple(w.shape)} {w.dtype} with scales "
+                             f"{tuple(scb.shape)} {scb.dtype} does not fit a "
+                             f"{lin.in_features} -> {lin.out_features} linear")
+        with torch.device("meta"):  # no memory for a float weight that is replaced at once
+            q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias="bias" in t,
+                                    has_fp16_weights=False, threshold=threshold)
+        q.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False, CB=w,
+                                     SCB=scb)
+        if "bias" in t:
+            q.bias = nn.Parameter(t["bias"], requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, q)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -83,11 +83,25 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+#: what a bitsandbytes int8 linear saves beside its int8 ``weight``: the fp32 absmax of each
+#: output row, and the layout of the weight (0: rows), as ``transformers`` saves them.
+INT8_EXTRAS = ("SCB", "weight_format")
+
+
+def _translate_any(name: str, table: list[tuple[str, str]]) -> str | None:
+    """:func:`_translate`, where a linear's :data:`INT8_EXTRAS` follow its weight's name."""
+    base, _, last = name.rpartition(".")
+    if last in INT8_EXTRAS:
+        weight = _translate(f"{base}.weight", table)
+        return None if weight is None else weight.removesuffix("weight") + last
+    return _translate(name, table)
+
+
 def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename our parameters to Hugging Face's ``Olmo3ForCausalLM`` names."""
     out = {}
     for k, v in clean_state_dict(state).items():
-        hf = _translate(k, _NAMES)
+        hf = _translate_any(k, _NAMES)
         if hf is None:
             raise KeyError(f"no Hugging Face name for parameter '{k}'")
         out[hf] = v.contiguous()
@@ -101,7 +115,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for k, v in state.items():
         if "rotary_emb" in k:
             continue
-        ours = _translate(k, reverse)
+        ours = _translate_any(k, reverse)
         if ours is None:
             raise OlmoflowError(f"unexpected weight '{k}' in a Hugging Face OLMo checkpoint")
         out[ours] = v
@@ -322,6 +336,68 @@ def quantized_weight(model: torch.nn.Module) -> str | None:
     return None
 
 
+def int8_linears(model: torch.nn.Module) -> dict[str, float]:
+    """``{name: outlier threshold}`` of the model's bitsandbytes int8 linears (``Linear8bitLt``),
+    by dotted name; empty without such layers."""
+    return {name: float(m.state.threshold) for name, m in model.named_modules()
+            if type(m).__name__ == "Linear8bitLt"
+            and type(m).__module__.split(".")[0] == "bitsandbytes"}
+
+
+def _unsaveable(model: torch.nn.Module, int8: dict[str, float]) -> str | None:
+    """What makes a quantized ``model`` unsaveable (:func:`quantized_weight`'s words), or None:
+    only bitsandbytes int8 linears of one threshold save."""
+    if len(set(int8.values())) > 1:
+        return f"its int8 linears have different outlier thresholds {sorted(set(int8.values()))}"
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.rpartition(".")[0] in int8 and name.endswith(".weight") \
+                and type(t).__name__ == "Int8Params" and t.dtype == torch.int8:
+            continue
+        package = type(t).__module__.split(".")[0]
+        if package in _QUANTIZED_PACKAGES or not t.is_floating_point():
+            return quantized_weight(model)
+    return None
+
+
+def int8_quantization_config(threshold: float, skip: list[str]) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` of a bitsandbytes int8 model, as
+    ``transformers``' ``BitsAndBytesConfig(load_in_8bit=True)`` writes it; ``skip``: the HF
+    names of the linears left in full precision (``lm_head``)."""
+    return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+            "llm_int8_threshold": threshold, "llm_int8_skip_modules": skip,
+            "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
+
+
+def saved_int8_threshold(raw: dict[str, Any], cfg_path: Path) -> float | None:
+    """The outlier threshold of a saved bitsandbytes int8 model (``quantization_config`` of its
+    ``config.json``, as read in ``raw``), or None when it is not quantized.
+
+    Raises:
+        OlmoflowError: a ``quantization_config`` of another kind (only bitsandbytes 8-bit loads).
+    """
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != "bitsandbytes" \
+            or q.get("load_in_8bit") is not True or q.get("load_in_4bit"):
+        shown = q.get("quant_method") if isinstance(q, dict) else type(q).__name__
+        raise OlmoflowError(f"{cfg_path}: quantization_config {shown!r} is not supported "
+                            "(olmoflow loads bitsandbytes 8-bit, quant_method 'bitsandbytes' with "
+                            "load_in_8bit true)")
+    threshold = q.get("llm_int8_threshold", 6.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+        raise OlmoflowError(f"{cfg_path}: quantization_config.llm_int8_threshold must be a "
+                            f"number >= 0, got {threshold!r}")
+    return float(threshold)
+
+
+def int8_threshold_of(path: str | Path) -> float | None:
+    """:func:`saved_int8_threshold` of the directory ``path`` (read after :func:`read_hf_dir`
+    checked its ``config.json``)."""
+    cfg_path = Path(path) / "config.json"
+    return saved_int8_threshold(json.loads(cfg_path.read_text(encoding="utf-8")), cfg_path)
+
+
 def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
                 pad_token_id: int | None = None, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``path``.
@@ -331,28 +407,42 @@ def save_hf_dir(model, path: str | Path, *, eos_token_id: int | None = None,
     atomically (for a whole directory written atomically see
     :func:`olmoflow.release.export.export_hf`). Returns the files written.
 
+    A bitsandbytes int8 model (``load_in_8bit=True``) saves as ``transformers`` saves one: each
+    int8 linear's ``weight`` (int8) with its ``SCB`` (fp32 row scales) and ``weight_format``,
+    the other weights in float (``dtype`` applies to those), and ``quantization_config`` in
+    ``config.json``; it loads back bit-identically.
+
     Raises:
-        OlmoflowError: the model is quantized (bitsandbytes or torchao int8), checked before
-            anything is created. Its int8 weights and scales have no place in the Hugging Face
-            OLMo format, and dequantizing them would save the rounding error as if it were the
-            model: save the unquantized model and quantize when loading.
+        OlmoflowError: the model is quantized otherwise (torchao), checked before anything is
+            created: its tensor subclasses have no safetensors layout that ``transformers``
+            reads, and dequantizing them would save the rounding error as if it were the model.
+            Save the unquantized model and quantize when loading.
     """
     path = Path(path)
     bare = unwrap_model(model)
-    quantized = quantized_weight(bare)
+    int8 = int8_linears(bare)
+    quantized = _unsaveable(bare, int8) if quantized_weight(bare) is not None else None
     if quantized is not None:
         raise OlmoflowError(
             f"cannot save a quantized model ({quantized}): save the unquantized model and "
             "quantize when loading it (Olmo.from_pretrained(dir, load_in_8bit=True) or "
-            "quantization='torchao')")
+            "quantization='torchao'); a bitsandbytes int8 model saves as it is")
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if dtype else v).detach().cpu() for k, v in model.state_dict().items()}
+    state = {k: (v.to(dtype) if dtype and v.is_floating_point()
+                 and k.rpartition(".")[2] not in INT8_EXTRAS else v).detach().cpu()
+             for k, v in model.state_dict().items()}
     hf_state = to_hf_state_dict(state)
     dt = str(hf_state["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     with atomic_path(path / "model.safetensors") as tmp:
         save_file(hf_state, str(tmp), metadata={"format": "pt"})
-    atomic_write_json(path / "config.json", hf_config(bare.config, eos_token_id=eos_token_id,
-                                                      pad_token_id=pad_token_id, dtype=dt))
+    config = hf_config(bare.config, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                       dtype=dt)
+    if int8:
+        skip = [_translate(f"{n}.weight", _NAMES).removesuffix(".weight")
+                for n, m in bare.named_modules()
+                if isinstance(m, torch.nn.Linear) and n not in int8]
+        config["quantization_config"] = int8_quantization_config(next(iter(int8.values())), skip)
+    atomic_write_json(path / "config.json", config)
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "do_sample": False}
     atomic_write_json(path / "generation_config.json", gen)
     return [path / "config.json", path / "generation_config.json", path / "model.safetensors"]
@@ -425,11 +515,20 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _check_weights(cfg: ModelConfig, header: dict[str, tuple[tuple[int, ...], str, Path]],
-                   cfg_path: Path) -> None:
+                   cfg_path: Path, int8: bool = False) -> None:
     """Raise :class:`OlmoflowError` unless the safetensors headers hold exactly the weights of
-    ``cfg``, in float dtypes. Checked before a model is built or a tensor read, so an edited
-    config (a million layers) fails at once instead of allocating a model the file cannot fill."""
-    names = [k for k in header if "rotary_emb" not in k]
+    ``cfg``, in float dtypes (``int8``: a saved bitsandbytes int8 model, whose quantized linears
+    hold an int8 weight with its fp32 ``SCB`` row scales). Checked before a model is built or a
+    tensor read, so an edited config (a million layers) fails at once instead of allocating a
+    model the file cannot fill."""
+    extras = {k for k in header if int8 and k.rpartition(".")[2] in INT8_EXTRAS}
+    for k in sorted(extras):
+        if k.endswith(".SCB"):
+            w = header.get(k.removesuffix("SCB") + "weight")
+            shape, dtype, f = header[k]
+            if w is None or w[1] != "I8" or dtype != "F32" or shape != w[0][:1]:
+                raise OlmoflowError(f"'{f}': '{k}' is not the fp32 row scales of an int8 weight")
+    names = [k for k in header if "rotary_emb" not in k and k not in extras]
     layers = {int(m.group(1)) for k in names if (m := _LAYER.match(k))}
     if len(layers) != cfg.n_layers or (layers and max(layers) != cfg.n_layers - 1):
         top = f" (indices up to {max(layers)})" if layers else ""
@@ -452,8 +551,10 @@ def _check_weights(cfg: ModelConfig, header: dict[str, tuple[tuple[int, ...], st
                             f"wrong shape {ours(wrong)}{detail}")
     for k in names:
         shape, dtype, f = header[k]
-        if dtype not in _FLOAT_DTYPES:
-            raise OlmoflowError(f"'{f}': weight '{k}' has dtype {dtype}, not a float type")
+        scaled = k.endswith(".weight") and k.removesuffix("weight") + "SCB" in extras
+        if dtype not in _FLOAT_DTYPES and not (dtype == "I8" and scaled):
+            raise OlmoflowError(f"'{f}': weight '{k}' has dtype {dtype}, not a float type"
+                                + (" (an int8 weight needs its SCB scales)" if int8 else ""))
 
 
 def read_hf_dir(path: str | Path, *, device: str | torch.device = "cpu",
@@ -491,8 +592,9 @@ def read_hf_dir(path: str | Path, *, device: str | torch.device = "cpu",
             OverflowError) as e:
         # a value of an unexpected type deeper in the config (RoPE entries and the like)
         raise OlmoflowError(f"{cfg_path}: unsupported value ({type(e).__name__}: {e})") from None
+    int8 = saved_int8_threshold(raw, cfg_path) if isinstance(raw, dict) else None
     files = _weight_files(path)
-    _check_weights(cfg, _read_headers(files), cfg_path)
+    _check_weights(cfg, _read_headers(files), cfg_path, int8=int8 is not None)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

@@ -479,24 +479,47 @@ class Olmo(nn.Module):
         path = resolve_pretrained(path, revision=revision, allow_network=allow_network,
                                   cache_dir=cache_dir)
         cfg, state = read_hf_dir(path, device=device)
+        # a saved bitsandbytes int8 model: its int8 linears come back as saved
+        int8 = {k.removesuffix(".SCB"): {} for k in state if k.endswith(".SCB")}
+        for name, t in int8.items():
+            for part in ("weight", "SCB", "bias"):
+                if f"{name}.{part}" in state:
+                    t[part] = state.pop(f"{name}.{part}")
+            state.pop(f"{name}.weight_format", None)
         with torch.device("meta"):
             model = cls(cfg)
+        shapes = {**{k: v.shape for k, v in state.items()},
+                  **{f"{n}.{part}": v.shape for n, t in int8.items() for part, v in t.items()
+                     if part != "SCB"}}
         expected = {k: p.shape for k, p in model.state_dict().items()}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
+        wrong = [k for k in expected if k in shapes and shapes[k] != expected[k]]
         if missing or unexpected or wrong:
             raise OlmoflowError(
                 f"weights in '{path}' do not match its config.json: missing {missing[:3]}, "
                 f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
+        if int8:
+            if quantization not in (None, "bnb"):
+                raise OlmoflowError(f"'{path}' holds bitsandbytes int8 weights; it loads as they "
+                                    f"are, not with quantization={quantization!r}")
+            from olmoflow.infer.quantize import load_int8_linears
+            from olmoflow.model.hf import int8_threshold_of
+
+            try:
+                load_int8_linears(model, int8, threshold=int8_threshold_of(path) or 0.0)
+            except ImportError as e:
+                raise OlmoflowError(f"'{path}' holds bitsandbytes int8 weights, which need "
+                                    f"their library: {e} (pip install 'olmoflow[quant]')"
+                                    ) from None
+        model.load_state_dict(state, strict=not int8, assign=True)
         if device_map == "auto":
             model = model.to("cuda" if torch.cuda.is_available() else "cpu")
         elif device_map is not None:
             model = model.to(device_map)
-        if load_in_8bit or quantization:
+        if (load_in_8bit or quantization) and not int8:
             from olmoflow.infer.quantize import quantize_model
 
             try:
@@ -514,10 +537,13 @@ class Olmo(nn.Module):
         """Write the model in Hugging Face format (``config.json``, ``model.safetensors``);
         ``kwargs`` go to :func:`olmoflow.model.hf.save_hf_dir`.
 
+        A bitsandbytes int8 model (``load_in_8bit=True``) saves its int8 weights with their
+        scales, as ``transformers`` does, and :meth:`from_pretrained` loads them back as they
+        are (bit-identical outputs).
+
         Raises:
-            OlmoflowError: the model was quantized (``load_in_8bit=True`` or
-                ``quantization="torchao"``); nothing is created. Save the unquantized model and
-                quantize when loading.
+            OlmoflowError: the model was quantized with torchao (``quantization="torchao"``);
+                nothing is created. Save the unquantized model and quantize when loading.
         """
         from olmoflow.model.hf import save_hf_dir
 
