@@ -170,3 +170,23 @@ def test_saving_a_torchao_model_is_refused_before_anything_is_created(tmp_path):
     # the message's way out works: the unquantized model quantizes again at load
     assert type(Olmo.from_pretrained(model_dir, quantization="torchao").blocks[0].attention.w_q
                 ).__name__ == type(q.blocks[0].attention.w_q).__name__
+
+
+def test_transformers_loads_a_saved_int8_model_with_the_same_int8_weights(tmp_path):
+    """The layout is transformers' own: its bitsandbytes loader reads the directory as 8-bit,
+    with our int8 weights, and computes the same logits (another code path: a bound)."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    transformers = pytest.importorskip("transformers")
+    from tolerance import assert_fp32_close, forward_terms
+
+    q = Olmo.from_pretrained(_small(tmp_path), load_in_8bit=True)
+    q.save_pretrained(tmp_path / "q8")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q8").eval()
+    proj = hf.model.layers[0].self_attn.q_proj
+    assert type(proj).__name__ == "Linear8bitLt" and proj.weight.dtype == torch.int8
+    assert torch.equal(proj.weight.data, q.blocks[0].attention.w_q.weight.data)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ours, theirs = q(ids).logits, hf(ids).logits
+    # both run bitsandbytes' int8 matmuls on the same int8 inputs; the rest is fp32 in two codes
+    assert_fp32_close(theirs, ours, forward_terms(q.config, 12))
