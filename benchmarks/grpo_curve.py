@@ -35,7 +35,7 @@ from olmoflow.config import from_dict
 from olmoflow.infer.sampling import SamplingParams
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
-from olmoflow.posttrain.chat_template import add_chat_template, render
+from olmoflow.tokenizer.chat import add_chat_template, render
 from olmoflow.posttrain.grpo import GRPOObjective
 from olmoflow.posttrain.rewards import arithmetic_prompts
 from olmoflow.posttrain.rollout import HeldOutReward, RolloutLoader, heldout_pass_at_1

@@ -492,7 +492,7 @@ def prepare(work: Path, args) -> str:
     """Tokenizer (trained on the data, tulu template) and model, one HF directory for both."""
     from olmoflow.model.config import ModelConfig
     from olmoflow.model.olmo import Olmo
-    from olmoflow.posttrain.chat_template import add_chat_template
+    from olmoflow.tokenizer.chat import add_chat_template
     from olmoflow.tokenizer import BPETokenizer
 
     tok = BPETokenizer().train_from_texts(corpus(work), vocab_size=VOCAB)

@@ -57,8 +57,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Upward edges known and being removed, each ``(importer, imported): why``. An entry whose edge
 #: is gone fails the test too, so the list only shrinks.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # The chat template moves to tokenizer/chat.py (SFT data, chat and serving all use it).
-    ("olmoflow.infer.chat", "olmoflow.posttrain.chat_template"): "chat templates in tokenizer/",
     # The model class's transformers-style conveniences delegate to infer/ lazily:
     # Olmo.generate and Olmo.from_pretrained(load_in_8bit=True / quantization=...).
     ("olmoflow.model.olmo", "olmoflow.infer.generate"): "Olmo.generate",

@@ -96,8 +96,8 @@ def test_each_post_training_stage_ran_from_the_one_before(flow):
 def test_the_release_is_the_final_model_and_chat_ready(flow):
     from transformers import AutoTokenizer
 
-    from olmoflow.posttrain.chat_template import render, template_of
     from olmoflow.tokenizer.bpe import BPETokenizer
+    from olmoflow.tokenizer.chat import render, template_of
 
     run_dir, _, _ = flow
     rel = RunDir(run_dir).stage("release")

@@ -16,8 +16,8 @@ from olmoflow.infer.sampling import SamplingParams
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.load import trained_length
 from olmoflow.model.olmo import Olmo
-from olmoflow.posttrain.chat_template import add_chat_template, render
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template, render
 
 TEXTS = [
     "Hello world! The cat sat on the mat. What is 2+2? It is 4.\n\nSure thing (yes).",
@@ -109,7 +109,7 @@ def test_reply_stops_at_end_of_turn(eos):
     """The reply ends at the template's end of turn even when the tokenizer's EOS is another
     token (an OLMo 3 tokenizer whose EOS was left at <|endoftext|>)."""
     model, tok = tiny()
-    end = tok._token_to_id("<|im_end|>")
+    end = tok.token_to_id("<|im_end|>")
     tok.set_special_tokens(eos=eos)
     calls = []
 

@@ -11,7 +11,6 @@ import pytest
 from chat_models import chat_tokenizer
 
 from olmoflow.errors import OlmoflowError
-from olmoflow.posttrain.chat_template import add_chat_template, render
 from olmoflow.posttrain.data import (
     Conversation,
     DataStats,
@@ -24,6 +23,7 @@ from olmoflow.posttrain.data import (
 from olmoflow.posttrain.formats import split_hh_rlhf, to_pair
 from olmoflow.posttrain.sft import build_sft_data
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template, render
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 TEXTS = ["Hello world! The cat sat on the mat. What is 2+2? It is 4.\n\nSure thing (yes).",

@@ -22,7 +22,6 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
 from olmoflow.pipeline.stages.posttrain import Base, check_same_tokenizer
-from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.posttrain.data import preference_examples
 from olmoflow.posttrain.dpo import (
     REFERENCE_FILE,
@@ -36,6 +35,7 @@ from olmoflow.posttrain.dpo import (
 )
 from olmoflow.posttrain.losses import sequence_logps
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template
 from olmoflow.train import distributed
 from olmoflow.train.config import TrainConfig
 from olmoflow.train.trainer import METRICS, Trainer

@@ -18,13 +18,13 @@ from olmoflow.model.config import ModelConfig
 from olmoflow.model.loss import lm_loss
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
 from olmoflow.pipeline.stages.posttrain import data_counts
-from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.posttrain.data import DataStats, PreferencePair, preference_examples, read_pairs
 from olmoflow.posttrain.dpo import build_dpo_data
 from olmoflow.posttrain.grpo import GRPOObjective
 from olmoflow.posttrain.rewards import read_prompts
 from olmoflow.posttrain.sft import SFTLoader, SFTObjective, build_sft_data
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template
 from olmoflow.train import distributed
 from olmoflow.train.config import TrainConfig
 from olmoflow.train.trainer import METRICS, Trainer

@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from olmoflow.errors import OlmoflowError
-from olmoflow.posttrain.chat_template import add_chat_template, render
 from olmoflow.posttrain.data import DataStats, read_conversations, sft_examples
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template, render
 
 TEXTS = ["What is two plus two? It is four. The cat sat on the mat.",
          "def add(a, b):\n    return a + b\n# user, assistant, system: be brief"]

@@ -18,7 +18,6 @@ from olmoflow.config import from_dict, set_dotted
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import IGNORE_INDEX, Olmo
-from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.posttrain.data import SFTExample, sft_examples
 from olmoflow.posttrain.sft import (
     SFTLoader,
@@ -29,6 +28,7 @@ from olmoflow.posttrain.sft import (
     sft_labels,
 )
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template
 from olmoflow.train import distributed
 from olmoflow.train.config import TrainConfig
 from olmoflow.train.loader import PAD_DOCUMENT

@@ -18,9 +18,9 @@ from tolerance import assert_fp32_close, assert_greedy_agrees, forward_terms, fp
 from olmoflow.cli import main
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
-from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.release.gguf_export import TENSOR_NAMES, gguf_name, write_gguf
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes and reads the export")
 

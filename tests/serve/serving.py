@@ -11,8 +11,8 @@ import torch
 
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo
-from olmoflow.posttrain.chat_template import add_chat_template
 from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import add_chat_template
 
 TEXTS = [
     "Hello world! The cat sat on the mat. What is 2+2? It is 4.\n\nSure thing (yes).",

@@ -11,7 +11,7 @@ import torch
 from serving import MODEL_NAME, TEXTS
 
 from olmoflow.infer.generate import generate
-from olmoflow.posttrain.chat_template import IM_END, render
+from olmoflow.tokenizer.chat import IM_END, render
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "system", "content": "be brief and helpful"},
@@ -73,7 +73,7 @@ def test_chat_greedy_equals_generate_and_stream(client, tiny_model):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16,
                                        temperature=0)
     ids = render(CHAT, "olmo3", tok, add_generation_prompt=True)[0]
-    want = greedy_ids(model, tok, ids, 16, {tok.eos_token_id, tok._token_to_id(IM_END)})
+    want = greedy_ids(model, tok, ids, 16, {tok.eos_token_id, tok.token_to_id(IM_END)})
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == tok.decode(want)

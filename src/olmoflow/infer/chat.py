@@ -1,8 +1,8 @@
 """``olmoflow chat DIR``: a streaming terminal chat with a release / Hugging Face directory.
 
 The conversation is rendered with the model's own chat template
-(:func:`olmoflow.posttrain.chat_template.template_of`; a tokenizer without one falls back to
-``plain``, with a note) and :func:`~olmoflow.posttrain.chat_template.render` with
+(:func:`olmoflow.tokenizer.chat.template_of`; a tokenizer without one falls back to
+``plain``, with a note) and :func:`~olmoflow.tokenizer.chat.render` with
 ``add_generation_prompt=True``, exactly the prompt the model was fine-tuned to continue. The reply
 streams token by token through :class:`~olmoflow.infer.streaming.IncrementalDecoder`, so no piece
 ends inside a UTF-8 character, and stops at the template's end-of-turn token or EOS.
@@ -39,10 +39,10 @@ from olmoflow.errors import OlmoflowError, closest
 from olmoflow.infer.generate import iter_tokens
 from olmoflow.infer.sampling import SamplingParams
 from olmoflow.infer.streaming import IncrementalDecoder
-from olmoflow.posttrain.chat_template import (
-    IM_END,
+from olmoflow.tokenizer.chat import (
     ChatTemplate,
     add_chat_template,
+    end_of_turn_ids,
     get_template,
     render,
     template_of,
@@ -61,14 +61,14 @@ def resolve_template(tokenizer: Any, model: Any = None,
     """The chat template to talk with, and a note for the user (None when there is nothing to
     say).
 
-    ``template`` names one explicitly; else the tokenizer's own (:func:`template_of`). A tokenizer
+    ``template`` names one explicitly; else the tokenizer's own (:func:`template_of`: a named
+    template, or any other Jinja template, rendered as ``transformers`` does). A tokenizer
     without a template falls back to ``plain``: its ``<|sep|>`` token is added to ``tokenizer``
     (and to ``model``'s embedding, as the mean of the trained rows) in place, an untrained token,
     so a model that never saw the format answers poorly; the note says so.
 
     Raises:
-        OlmoflowError: an unknown template name, or a tokenizer template that is not one of
-            olmoflow's named templates (pass ``template``).
+        OlmoflowError: an unknown template name, or a tokenizer template that does not compile.
     """
     if template is not None:
         t = get_template(template)
@@ -76,7 +76,7 @@ def resolve_template(tokenizer: Any, model: Any = None,
         t = get_template("plain")
     else:
         t = template_of(tokenizer)
-    missing = [s for s in t.special_tokens if tokenizer._token_to_id(s) is None]
+    missing = [s for s in t.special_tokens if tokenizer.token_to_id(s) is None]
     if missing or (t.bos_is_eos and tokenizer.bos_token is None):
         add_chat_template(tokenizer, t, model=model)
         return t, (f"the tokenizer has no chat template tokens ({', '.join(missing) or 'BOS'}); "
@@ -137,9 +137,7 @@ class ChatSession:
         self._told_trimmed = False
         # The template's end-of-turn token and the tokenizer's EOS both end a reply (an OLMo 3
         # tokenizer whose EOS was left at <|endoftext|> still ends turns with <|im_end|>).
-        ends = [tokenizer.eos_token_id, tokenizer._token_to_id(IM_END)
-                if self.template.name == "olmo3" else None]
-        self.stop_ids = {int(i) for i in ends if i is not None}
+        self.stop_ids = set(end_of_turn_ids(self.template, tokenizer))
 
     def _notice(self, text: str) -> None:
         self.notices.append(text)

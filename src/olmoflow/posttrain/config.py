@@ -31,7 +31,7 @@ LORA_QUANTIZE = ("none", "8bit", "4bit")
 
 
 def _check_template(name: str, key: str) -> None:
-    from olmoflow.posttrain.chat_template import ALIASES, TEMPLATES
+    from olmoflow.tokenizer.chat import ALIASES, TEMPLATES
 
     if name not in TEMPLATES and name not in ALIASES:
         raise unknown_name_error(key, name, [*TEMPLATES, *ALIASES])

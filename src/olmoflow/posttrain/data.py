@@ -68,7 +68,6 @@ from typing import Any
 
 from olmoflow.errors import OlmoflowError, closest
 from olmoflow.eval.sources import guess_format, read_records
-from olmoflow.posttrain.chat_template import ChatTemplate, render
 from olmoflow.posttrain.config import TOO_LONG
 from olmoflow.posttrain.formats import (
     PREFERENCE_FORMATS,
@@ -80,6 +79,7 @@ from olmoflow.posttrain.formats import (
     to_pair,
 )
 from olmoflow.tokenizer.base import BaseTokenizer
+from olmoflow.tokenizer.chat import ChatTemplate, render
 
 log = logging.getLogger(__name__)
 
@@ -436,14 +436,14 @@ def sft_examples(
 ) -> Iterator[SFTExample]:
     """Token ids and loss masks of SFT examples, in order.
 
-    Conversations render with :func:`~olmoflow.posttrain.chat_template.render` (loss on
+    Conversations render with :func:`~olmoflow.tokenizer.chat.render` (loss on
     assistant content and end-of-turn markers only); ``text`` records are
     ``tokenizer.encode(text) + [eos]`` with every token trained, as pretraining does.
 
     Args:
         records: as :func:`read_conversations` takes (paths, records, or Conversations).
         template: chat template name / object, or None for the tokenizer's own.
-        tokenizer: prepared with :func:`~olmoflow.posttrain.chat_template.add_chat_template`.
+        tokenizer: prepared with :func:`~olmoflow.tokenizer.chat.add_chat_template`.
         max_length: the most tokens per example (None: no limit).
         on_too_long: ``"truncate"``: remove whole turns from the end until the conversation,
             ending with a complete assistant turn and its marker, fits (dropped when even the
@@ -570,7 +570,7 @@ def preference_examples(
     """Token ids of preference pairs (DPO / SimPO inputs), in order.
 
     Each pair renders as two conversations, prompt + chosen and prompt + rejected, with
-    :func:`~olmoflow.posttrain.chat_template.render`; the shared prompt ids are split off, so a
+    :func:`~olmoflow.tokenizer.chat.render`; the shared prompt ids are split off, so a
     response's ids and mask cover only its final assistant turn(s) and their end marker (earlier
     assistant turns of the prompt are context, not trained).
 

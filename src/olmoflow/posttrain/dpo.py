@@ -39,7 +39,6 @@ import torch
 
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.model.olmo import IGNORE_INDEX
-from olmoflow.posttrain.chat_template import ChatTemplate
 from olmoflow.posttrain.data import (
     DataStats,
     PreferenceExample,
@@ -57,6 +56,7 @@ from olmoflow.posttrain.reference import (  # noqa: F401  (the cache is part of 
     reference_sums_and_counts,
 )
 from olmoflow.tokenizer.base import BaseTokenizer
+from olmoflow.tokenizer.chat import ChatTemplate
 from olmoflow.train import distributed
 from olmoflow.train.loader import ShuffledEpochs
 from olmoflow.train.objectives import Batch, Objective
@@ -276,7 +276,7 @@ def build_dpo_data(
     Args:
         records: data files or records, as :func:`~olmoflow.posttrain.data.read_pairs` takes.
         template: chat template name / object, or None for the tokenizer's own.
-        tokenizer: prepared with :func:`~olmoflow.posttrain.chat_template.add_chat_template`;
+        tokenizer: prepared with :func:`~olmoflow.tokenizer.chat.add_chat_template`;
             its ``pad_token_id`` pads batches.
         max_length: the most tokens of prompt + the longer response (None: no limit).
         format, on_too_long, strict: as for :func:`~olmoflow.posttrain.data.preference_examples`.

@@ -32,9 +32,9 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.infer.generate import generate
 from olmoflow.infer.sampling import SamplingParams
 from olmoflow.model.olmo import IGNORE_INDEX
-from olmoflow.posttrain.chat_template import ChatTemplate, render
 from olmoflow.posttrain.losses import filter_equal_groups, group_advantages, token_logps
 from olmoflow.posttrain.rewards import RLPrompt, Verifier
+from olmoflow.tokenizer.chat import ChatTemplate, render
 from olmoflow.train.callbacks import Callback
 
 RewardFn = Callable[[str, RLPrompt], "float | tuple[float, bool]"]

@@ -34,7 +34,6 @@ import torch
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.olmo import IGNORE_INDEX
-from olmoflow.posttrain.chat_template import ChatTemplate
 from olmoflow.posttrain.data import (
     DataStats,
     SFTExample,
@@ -44,6 +43,7 @@ from olmoflow.posttrain.data import (
     split_sources,
 )
 from olmoflow.tokenizer.base import BaseTokenizer
+from olmoflow.tokenizer.chat import ChatTemplate
 from olmoflow.train import distributed
 from olmoflow.train.loader import PAD_DOCUMENT, Batch, ShuffledEpochs
 from olmoflow.train.objectives import LMObjective
@@ -439,7 +439,7 @@ def build_sft_data(
         paths: data files (``.jsonl``, ``.json``, ``.jsonl.gz``, text); may be empty.
         processors: ``data.processors`` entries, or None.
         template, tokenizer: the chat template and a tokenizer prepared for it
-            (:func:`~olmoflow.posttrain.chat_template.add_chat_template`); its ``pad_token_id``
+            (:func:`~olmoflow.tokenizer.chat.add_chat_template`); its ``pad_token_id``
             fills the rows' tails.
         sequence_length: the model's input length ``T``.
         format, on_too_long, strict: as for ``sft_examples`` (``format`` applies to files only;

@@ -11,7 +11,7 @@ in another dtype, a run directory with a release, a Hub id), with the tokenizer 
 included: ``chat_template.jinja`` and the ``chat_template`` key of ``tokenizer_config.json`` are
 both written when either is there (``transformers`` prefers the ``.jinja`` file), so
 ``apply_chat_template`` on the export gives the ids
-:func:`olmoflow.posttrain.chat_template.render` gives.
+:func:`olmoflow.tokenizer.chat.render` gives.
 The directory is assembled under a temporary name beside ``OUT`` and renamed onto it when complete.
 """
 

@@ -42,7 +42,6 @@ from starlette.exceptions import HTTPException
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.infer.sampling import SamplingParams
-from olmoflow.posttrain.chat_template import IM_END, ChatTemplate, get_template, render
 from olmoflow.serve import formatting as fmt
 from olmoflow.serve.engine import Engine, GenerationRequest, QueueFull, RequestOutput
 from olmoflow.serve.errors import (
@@ -68,6 +67,7 @@ from olmoflow.serve.protocol import (
     parse_request,
     validation_error,
 )
+from olmoflow.tokenizer.chat import ChatTemplate, end_of_turn_ids, get_template, render
 
 log = logging.getLogger("olmoflow.serve")
 
@@ -242,10 +242,8 @@ def build_app(engine: Engine, tokenizer: Any, template: ChatTemplate | str | Non
         if note:
             log.warning("%s", note)
     tmpl = get_template(template)
-    stop_ids: tuple[int, ...] = ()
-    if tmpl.name == "olmo3":
-        end = tokenizer._token_to_id(IM_END)
-        stop_ids = (int(end),) if end is not None else ()
+    # a reply ends at EOS or at the template's own end-of-turn token (ChatML: <|im_end|>)
+    stop_ids = end_of_turn_ids(tmpl, tokenizer)
     window = engine.max_context
     created_at = fmt.now()
 

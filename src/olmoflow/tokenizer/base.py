@@ -9,7 +9,8 @@ A tokenizer is swapped by subclassing :class:`BaseTokenizer` and implementing a 
 - ``save(dir)`` and the classmethod ``load(dir)``;
 - optionally ``add_special_tokens(tokens)`` (chat templates need it) and
   ``encode_with_offsets(text)`` (exact loss masks for text runs; see
-  :mod:`olmoflow.posttrain.chat_template`).
+  :mod:`olmoflow.tokenizer.chat`), and ``added_tokens()`` (the tokens a chat template's text is
+  cut at).
 
 Everything else (EOS handling, batching, the Hugging-Face-like ``__call__`` with left padding,
 ``token_byte_lengths`` for bits-per-byte) lives here, so every tokenizer behaves the same for the
@@ -60,8 +61,8 @@ class BaseTokenizer:
 
     Attributes:
         chat_template: the Jinja chat template saved with the tokenizer (``chat_template.jinja``
-            and ``tokenizer_config.json``), or None. olmoflow renders it with its own code
-            (:func:`olmoflow.posttrain.chat_template.render`); ``transformers`` reads the files.
+            and ``tokenizer_config.json``), or None; :func:`olmoflow.tokenizer.chat.render`
+            renders it, as ``transformers`` does from the files.
     """
 
     def __init__(
@@ -157,7 +158,7 @@ class BaseTokenizer:
         """Add ``tokens`` to the vocabulary as special tokens (new ids after the current ones, in
         order; tokens already present are kept as they are); return how many were new.
 
-        A special token is inserted by id only (:func:`olmoflow.posttrain.chat_template.render`),
+        A special token is inserted by id only (:func:`olmoflow.tokenizer.chat.render`),
         never matched in user text, and has byte length 0. Grow the model with
         :func:`olmoflow.model.olmo.resize_token_embeddings` afterwards.
 
@@ -194,6 +195,18 @@ class BaseTokenizer:
     def pad_token_id(self) -> int:
         """Id of the pad token. Raises OlmoflowError if the vocabulary lacks it."""
         return self._required_id(self._pad_token, "pad")
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (a vocabulary entry, special or not), or None when it is not in
+        the vocabulary. Text is never looked up this way: use :meth:`encode`."""
+        return self._token_to_id(token)
+
+    def added_tokens(self) -> list[str]:
+        """The tokens matched as whole units in a chat template's rendered text (the added
+        tokens of ``tokenizer.json``, as ``transformers`` matches them); by default the EOS, pad
+        and BOS tokens in the vocabulary."""
+        return [t for t in dict.fromkeys((self._eos_token, self._pad_token, self._bos_token))
+                if t is not None and self._token_to_id(t) is not None]
 
     def _required_id(self, token: str, role: str) -> int:
         i = self._token_to_id(token)

@@ -229,6 +229,11 @@ class BPETokenizer(BaseTokenizer):
     def _token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def added_tokens(self) -> list[str]:
+        """The added tokens of ``tokenizer.json`` (special or not), which ``transformers``
+        matches in a chat template's text before tokenizing the rest."""
+        return [t.content for _, t in sorted(self.backend.get_added_tokens_decoder().items())]
+
     def _token_byte_lengths(self) -> np.ndarray:
         if self._byte_lengths is None:
             self._byte_lengths = _byte_lengths(self.backend, self.vocab_size)

@@ -106,7 +106,7 @@ def say(stage: str, message: str) -> None:
 def prepare_chat(base: Base, template: str) -> int:
     """Add ``template`` to the base's tokenizer and grow the model's embedding to fit; returns
     the number of tokens added (0 when the base already had the template)."""
-    from olmoflow.posttrain.chat_template import add_chat_template
+    from olmoflow.tokenizer.chat import add_chat_template
 
     added = add_chat_template(base.tokenizer, template, base.model)
     if added:

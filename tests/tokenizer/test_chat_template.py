@@ -11,7 +11,8 @@ import torch
 from olmoflow.errors import OlmoflowError
 from olmoflow.model.config import ModelConfig
 from olmoflow.model.olmo import Olmo, resize_token_embeddings
-from olmoflow.posttrain.chat_template import (
+from olmoflow.tokenizer import BPETokenizer
+from olmoflow.tokenizer.chat import (
     IM_END,
     IM_START,
     SEP,
@@ -21,7 +22,6 @@ from olmoflow.posttrain.chat_template import (
     render,
     template_of,
 )
-from olmoflow.tokenizer import BPETokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,10 +132,10 @@ def test_bos_exactly_where_the_format_has_one(chat):
         assert tok.bos_token is None
     if name == "olmo3":  # <|im_end|> (the EOS) closes every turn; no BOS
         assert tok.eos_token == IM_END
-        assert ids.count(tok._token_to_id(IM_START)) == len(SYSTEM_MULTI)
+        assert ids.count(tok.token_to_id(IM_START)) == len(SYSTEM_MULTI)
         assert ids.count(tok.eos_token_id) == len(SYSTEM_MULTI)
     if name == "plain":
-        assert ids.count(tok._token_to_id(SEP)) == 2
+        assert ids.count(tok.token_to_id(SEP)) == 2
         assert ids.count(tok.eos_token_id) == n_assistant
 
 
@@ -154,9 +154,9 @@ def test_special_tokens_added_once_and_saved(tmp_path):
     assert tok.add_special_tokens([IM_START, IM_END, IM_START]) == 2
     assert tok.add_special_tokens([IM_START]) == 0
     assert tok.vocab_size == before + 2
-    assert tok.token_byte_lengths()[tok._token_to_id(IM_END)] == 0
+    assert tok.token_byte_lengths()[tok.token_to_id(IM_END)] == 0
     # Text spelling a special token stays text; only render inserts the id.
-    assert tok._token_to_id(IM_END) not in tok.encode("a <|im_end|> b")
+    assert tok.token_to_id(IM_END) not in tok.encode("a <|im_end|> b")
     add_chat_template(tok, "olmo3")
     tok.save(tmp_path)
     assert (tmp_path / "chat_template.jinja").read_text() == TEMPLATES["olmo3"].jinja
@@ -190,7 +190,7 @@ def test_embedding_grows_with_mean_rows(pad_multiple):
     size = model.config.vocab_size
     assert size >= tok.vocab_size and size % pad_multiple == 0
     assert model.embeddings.weight.shape[0] == model.lm_head.weight.shape[0] == size
-    new = [tok._token_to_id(IM_START), tok._token_to_id(IM_END)]
+    new = [tok.token_to_id(IM_START), tok.token_to_id(IM_END)]
     for w, old in ((model.embeddings.weight, old_rows), (model.lm_head.weight, None)):
         mean = (old if old is not None else w)[:old_vocab].mean(0)
         for i in new:

@@ -1,0 +1,100 @@
+"""The Jinja strings of the named chat templates (:mod:`olmoflow.tokenizer.chat`), exactly as the
+released models carry them, so that a tokenizer saved with one works in ``transformers``."""
+
+IM_START, IM_END, SEP = "<|im_start|>", "<|im_end|>", "<|sep|>"
+
+# allenai/OLMo-2-1124-7B-Instruct's tokenizer_config.json (open-instruct's "tulu" template with
+# the BOS in front). The newlines inside the quoted Jinja strings are real newlines, as in the
+# JSON-decoded config.
+TULU_JINJA = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if not loop.last %}"
+    "{{ '<|assistant|>\n'  + message['content'] + eos_token + '\n' }}"
+    "{% else %}"
+    "{{ '<|assistant|>\n'  + message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endif %}"
+    "{% if loop.last and add_generation_prompt %}"
+    "{{ '<|assistant|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+OLMO3_DEFAULT_SYSTEM = "You are a helpful function-calling AI assistant. "
+OLMO3_NO_FUNCTIONS = "You do not currently have access to any functions. <functions></functions>"
+OLMO3_WITH_FUNCTIONS = (
+    "You are provided with function signatures within <functions></functions> XML tags. You may "
+    "call one or more functions to assist with the user query. Output any function calls within "
+    "<function_calls></function_calls> XML tags. Do not make assumptions about what values to "
+    "plug into functions."
+)
+
+# allenai/Olmo-3-7B-Instruct's chat template (the OLMo 3.1 instruct models differ only in the
+# default system identity).
+OLMO3_JINJA = (
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}"
+    "{%- if not has_system -%}"
+    "{{- '<|im_start|>system\n" + OLMO3_DEFAULT_SYSTEM + "' -}}"
+    "{%- if tools is none or (tools | length) == 0 -%}"
+    "{{- 'You do not currently have access to any functions. <functions></functions><|im_end|>\n'"
+    " -}}"
+    "{%- else -%}"
+    "{{- '" + OLMO3_WITH_FUNCTIONS + "' -}}"
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions><|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' + message['content'] -}}"
+    "{%- if tools is not none -%}"
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions>' -}}"
+    "{%- elif message.get('functions', none) is not none -%}"
+    "{{- ' <functions>' + message['functions'] + '</functions>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- '<|im_start|>user\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if message.get('function_calls', none) is not none -%}"
+    "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}"
+    "{% elif message.get('tool_calls', none) is not none %}"
+    "{{- '<function_calls>' -}}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call is mapping and tool_call.get('function', none) is not none %}"
+    "{%- set args = tool_call['function']['arguments'] -%}"
+    "{%- set ns = namespace(arguments_list=[]) -%}"
+    "{%- for key, value in args.items() -%}"
+    "{%- set ns.arguments_list = ns.arguments_list + [key ~ '=' ~ (value | tojson)] -%}"
+    "{%- endfor -%}"
+    "{%- set arguments = ns.arguments_list | join(', ') -%}"
+    "{{- tool_call['function']['name'] + '(' + arguments + ')' -}}"
+    "{%- if not loop.last -%}{{ '\n' }}{%- endif -%}"
+    "{% else %}{{- tool_call -}}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '</function_calls>' -}}"
+    "{%- endif -%}"
+    "{%- if not loop.last -%}{{- '<|im_end|>' + '\n' -}}{%- else -%}{{- eos_token -}}{%- endif -%}"
+    "{%- elif message['role'] == 'environment' -%}"
+    "{{- '<|im_start|>environment\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>environment\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- if loop.last and add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+PLAIN_JINJA = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ message['content'] + '<|sep|>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
