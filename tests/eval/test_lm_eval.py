@@ -265,7 +265,8 @@ def native_matches_lm_eval(model_dir: Path, ref: dict, name: str, n: int, tmp_pa
     assert res.metrics["acc_raw"] == ref["results"][name]["acc,none"]
 
 
-BOUNDARY_TEXTS = ["The year was 1999 and the party was over. In 1990 we said:\n\nYes. She said:\n\nNo.",
+BOUNDARY_TEXTS = ["The year was 1999 and the party was over. In 1990 we said:\n\nYes. "
+                  "She said:\n\nNo.",
                   "He said:\n\nMaybe. The year was 1995, then 1999 came. Years: 19, 199, 1999."]
 
 
