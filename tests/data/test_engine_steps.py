@@ -49,3 +49,33 @@ def test_a_trained_tokenizer_is_a_step_skipped_and_rerun_by_its_fingerprint(tmp_
     cfg3 = load_data_config(small_run(tmp_path), [f"tokenize.tokenizer={tok}"])
     assert "train-tokenizer" not in [s.name for s in enabled_steps(cfg3, ["tokenize"])]
     assert STEP_TABLE["train-tokenizer"].directory == "tokenizer"
+
+
+def test_a_new_step_is_one_record_in_the_table_the_engine_runs(tmp_path):
+    # datatrove's executor runs a list of step objects; so does the engine: a step added by a
+    # record runs, is recorded and skipped like the built-in ones, and the runner is unchanged.
+    import pytest
+
+    from olmoflow.artifacts import StageResult, atomic_write_text
+    from olmoflow.data.documents import read_documents
+    from olmoflow.data.engine import Step
+    from olmoflow.errors import OlmoflowError
+
+    def run_count(engine):
+        out = engine.step_dir("count")
+        shards = [Path(s["path"]) for s in engine.shards("mix")]
+        n = sum(1 for p in shards for _ in read_documents(p))
+        atomic_write_text(out / "count.txt", f"{n}\n")
+        return StageResult(inputs=shards, outputs=[out / "count.txt"], counts={"documents": n}), {}
+
+    count = Step("count", "count", ("mix",), lambda engine: {"what": "documents"}, run_count)
+    cfg = load_data_config(small_run(tmp_path), ["steps=[ingest, tag, dedup, mix, count]"])
+    first = Engine(cfg, steps=(*STEPS, count)).run()
+    assert [o.step for o in first][-1] == "count" and not first[-1].skipped
+    mixed = first[-2].counts["documents_out"]
+    assert (tmp_path / "run" / "count" / "count.txt").read_text() == f"{mixed}\n"
+    m = json.loads((tmp_path / "run" / "count" / "manifest.json").read_text())
+    assert m["stage"] == "data count" and m["counts"] == {"documents": mixed}
+    assert all(o.skipped for o in Engine(cfg, steps=(*STEPS, count)).run())
+    with pytest.raises(OlmoflowError, match="unknown step 'count'"):
+        Engine(cfg).run()  # not in the engine's own table

@@ -61,7 +61,7 @@ from olmoflow.data.engine.step_helpers import (  # re-exported for the steps' ca
     relative_shards,
     step_stats,
 )
-from olmoflow.data.engine.steps import STEP_DIRS, STEP_NAMES, STEP_TABLE, STEPS, enabled_steps
+from olmoflow.data.engine.steps import STEP_DIRS, STEP_NAMES, STEPS, enabled_steps
 from olmoflow.data.executor import run_shards
 from olmoflow.errors import OlmoflowError, unknown_name_error
 from olmoflow.recorded import fingerprint, run_recorded, upstream_fingerprint
@@ -94,19 +94,25 @@ class Engine:
         cfg: the validated config.
         progress: show per-step progress bars.
         force: redo steps (and shards) even when complete.
+        steps: the table of step records to run (default: the engine's,
+            :data:`~olmoflow.data.engine.steps.STEPS`); a new step is a record in it, and the
+            runner needs no change.
     """
 
-    def __init__(self, cfg: DataConfig, *, progress: bool = False, force: bool = False) -> None:
+    def __init__(self, cfg: DataConfig, *, progress: bool = False, force: bool = False,
+                 steps: tuple[Step, ...] = STEPS) -> None:
         self.cfg = cfg
         self.root = Path(cfg.output).resolve()
         self.progress = progress
         self.force = force
+        self.table = {s.name: s for s in steps}
+        self.steps = tuple(steps)
 
     # -- helpers used by the steps --
 
     def step_dir(self, step: str) -> Path:
         """The directory a step writes (and holds its manifest)."""
-        return self.root / STEP_TABLE[step].directory
+        return self.root / self.table[step].directory
 
     def done_dir(self, step: str) -> Path:
         """Where the done-markers of ``step``'s shards go."""
@@ -142,7 +148,7 @@ class Engine:
 
     def fingerprint(self, step: str) -> str:
         """sha256 of the step's config section and the fingerprints of the steps it reads."""
-        rec = STEP_TABLE[step]
+        rec = self.table[step]
         return fingerprint(step, rec.section(self),
                            [(s, upstream_fingerprint(self.step_dir(s))) for s in rec.upstream])
 
@@ -151,7 +157,7 @@ class Engine:
     def run_step(self, step: str) -> StepOutcome:
         """Run one step (or skip it when its manifest is complete and current) through the one
         rule of recorded work (:func:`olmoflow.recorded.run_recorded`)."""
-        rec = STEP_TABLE[step]
+        rec = self.table[step]
         out = self.step_dir(step)
 
         def prepare() -> None:
@@ -174,11 +180,12 @@ class Engine:
         Raises:
             OlmoflowError: an unknown step (naming the closest), or a preflight's error.
         """
-        wanted = steps or self.cfg.steps or list(STEP_NAMES)
+        names = [s.name for s in self.steps if s.part_of is None]
+        wanted = steps or self.cfg.steps or names
         for s in wanted:
-            if s not in STEP_NAMES:
-                raise unknown_name_error("step", s, STEP_NAMES)
-        run = enabled_steps(self.cfg, wanted)
+            if s not in names:
+                raise unknown_name_error("step", s, names)
+        run = enabled_steps(self.cfg, wanted, self.steps)
         for rec in run:
             if rec.preflight is not None:
                 rec.preflight(self)

@@ -572,14 +572,15 @@ STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS if s.part_of is None)
 STEP_DIRS: dict[str, str] = {s.name: s.directory for s in STEPS}
 
 
-def parts(step: str) -> list[Step]:
-    """The ``part_of`` steps of ``step``, in table order."""
-    return [s for s in STEPS if s.part_of == step]
+def parts(step: str, table: tuple[Step, ...] = STEPS) -> list[Step]:
+    """The ``part_of`` steps of ``step`` in ``table``, in table order."""
+    return [s for s in table if s.part_of == step]
 
 
-def enabled_steps(cfg: DataConfig, wanted: list[str]) -> list[Step]:
-    """The steps that run for ``wanted`` (names from :data:`STEP_NAMES`), in table order: each
-    wanted step, preceded by its enabled parts."""
-    return [s for s in STEPS
+def enabled_steps(cfg: DataConfig, wanted: list[str], table: tuple[Step, ...] = STEPS
+                  ) -> list[Step]:
+    """The steps of ``table`` that run for ``wanted`` (names of its steps that are no part of
+    another), in table order: each wanted step, preceded by its enabled parts."""
+    return [s for s in table
             if (s.part_of is None and s.name in wanted)
             or (s.part_of in wanted and (s.enabled is None or s.enabled(cfg)))]
