@@ -151,3 +151,27 @@ def test_an_edited_card_fails(run_dir, tmp_path, capsys):
     card.write_text(card.read_text().replace("## Model", "## The best model"))
     rc, out = verify(release, capsys)
     assert rc == 1 and "changed: README.md" in out, out
+
+
+def test_a_referenced_checkpoint_rewritten_with_its_checksums_fails(run_dir, tmp_path, capsys):
+    """release.include_checkpoints=false: checkpoints.csv records the sha256 of each
+    checkpoint's checksums.json, which a forger who rewrites a file and its checksums changes."""
+    import csv
+
+    from olmoflow.model.checkpoint_files import write_checksums
+
+    run = copy_release(run_dir, tmp_path).parent
+    capsys.readouterr()
+    assert main(["release", str(run), "release.include_checkpoints=false", "--no-progress"]) == 0
+    release = run / "release"
+    rows = list(csv.DictReader((release / "checkpoints.csv").open()))
+    assert rows and not any(r["path"].startswith("checkpoints/") for r in rows)
+    rc, out = verify(release, capsys)
+    assert rc == 0 and "2 referenced checkpoints checked" in out, out
+    ckpt = run / rows[0]["path"]
+    config = ckpt / "config.yaml"  # the checkpoint's own copy of its run config
+    config.write_text(config.read_text() + "# edited\n")
+    write_checksums(ckpt)  # the forger's own checksums
+    rc, out = verify(release, capsys)
+    assert rc == 1 and f"checkpoint {rows[0]['path']}: its checksums.json is not the one " \
+        "checkpoints.csv records" in out, out
