@@ -128,12 +128,17 @@ def test_non_strict_malformed_lines_are_skipped_and_counted(tmp_path, capsys):
     assert "skipped_malformed=3" in status_line(out, "collect")
 
 
-def test_truncated_gzip_keeps_documents_before_the_damage(tmp_path, capsys):
+def test_truncated_gzip_keeps_the_whole_members_before_the_damage(tmp_path, capsys):
+    # Four gzip members of 50 documents, cut inside the third: a member is emitted only once its
+    # CRC has been checked, so the first two members' documents survive, intact, and no document
+    # of the cut member does.
     rows = [{"id": str(i), "text": doc_text(i) + os.urandom(200).hex()} for i in range(200)]
-    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    members = [gzip.compress("".join(json.dumps(r) + "\n" for r in rows[k:k + 50]).encode())
+               for k in range(0, 200, 50)]
+    cut = len(members[0]) + len(members[1]) + len(members[2]) // 2
     src = tmp_path / "data"
     src.mkdir()
-    (src / "damaged.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (src / "damaged.jsonl.gz").write_bytes(b"".join(members)[:cut])
     write_jsonl(src / "fine.jsonl", [{"text": doc_text(1000)}])
     run = tmp_path / "run"
     rc, out, err = cli(capsys, "collect", "tiny", "collect.max_documents=null", "--data",
@@ -141,13 +146,11 @@ def test_truncated_gzip_keeps_documents_before_the_damage(tmp_path, capsys):
     assert rc == 0, err
     counts = manifest(run, "collect")["counts"]
     assert counts["damaged_files"] == 1
-    assert 0 < counts["documents"] - 1 < 200  # some of the damaged file's documents, and fine.jsonl
+    assert counts["documents"] == 100 + 1  # two whole members, and fine.jsonl
     assert "damaged_files=1" in status_line(out, "collect")
     with gzip.open(run / "collect" / "documents.jsonl.gz", "rt") as f:
         texts = [json.loads(line)["text"] for line in f]
-    kept = len(texts) - 1
-    assert texts[:kept] == [r["text"] for r in rows[:kept]], \
-        "the documents before the damage, intact"
+    assert texts[:100] == [r["text"] for r in rows[:100]], "the members before the damage, intact"
     assert texts[-1] == doc_text(1000)
 
 
