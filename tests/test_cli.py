@@ -343,6 +343,25 @@ def test_generate_edge_cases(run, capsys):
     assert_one_line_error(rc, err, "max_new_tokens must be >= 0")
 
 
+def test_generate_speculative_prompt_lookup(run, capsys):
+    """generate.speculative=prompt_lookup: the greedy samples of plain decoding, the draft counts
+    in the manifest and a log line; an unknown drafter is a one-line error."""
+    args = ("generate", "tiny", "--run-dir", str(run), "--prompt", "def f(x):\n    return x",
+            "--max-new-tokens", "24", "generate.temperature=0")
+    rc, _, err = cli(capsys, *args, "--no-progress")
+    assert rc == 0, err
+    plain = (run / "generate" / "samples.jsonl").read_text()
+    rc, out, err = cli(capsys, *args, "--speculative", "prompt_lookup",
+                       "generate.num_draft_tokens=4")
+    assert rc == 0, err
+    assert (run / "generate" / "samples.jsonl").read_text() == plain
+    counts = manifest(run, "generate")["counts"]
+    assert counts["draft_tokens"] >= counts["accepted_draft_tokens"] >= 0
+    assert "[generate] speculative decoding (prompt_lookup): " in out
+    rc, _, err = cli(capsys, *args, "generate.speculative=prompt_lokup", "--no-progress")
+    assert_one_line_error(rc, err, "did you mean 'prompt_lookup'")
+
+
 def test_deleted_latest_pointer_is_repaired(run, capsys):
     (run / "pretrain" / "latest").unlink()
     data = ("--data", str(run.parent / "c.jsonl"))  # the fixture's corpus: same fingerprints

@@ -104,6 +104,11 @@ class Block(nn.Module):
         return h + F.dropout(self.feed_forward_norm(m), self.dropout, self.training)
 
 
+# Olmo.generate keywords that select speculative decoding (olmoflow.infer.speculative).
+_SPECULATIVE_KEYS = frozenset({"prompt_lookup_num_tokens", "max_matching_ngram_size",
+                               "draft_model", "num_draft_tokens", "return_stats"})
+
+
 class Olmo(nn.Module):
     """An OLMo 2 / OLMo 3 causal language model.
 
@@ -412,7 +417,19 @@ class Olmo(nn.Module):
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Sample continuations: ``[B, T] -> [B, T + n]``. Takes ``sampling=`` (a
         :class:`~olmoflow.infer.sampling.SamplingParams`) or the ``transformers``-style keywords;
-        see :func:`olmoflow.infer.generate.generate` for the arguments and errors."""
+        see :func:`olmoflow.infer.generate.generate` for the arguments and errors.
+
+        Speculative decoding (:mod:`olmoflow.infer.speculative`): ``prompt_lookup_num_tokens=K``
+        (``transformers``' name; ``max_matching_ngram_size``) or ``draft_model=`` (an Olmo with
+        the same vocabulary; ``num_draft_tokens``), ``return_stats=True`` for the acceptance
+        counts; the same greedy tokens and the same sampling distribution."""
+        # None/False for a speculative keyword is the same as leaving it out.
+        kwargs = {k: v for k, v in kwargs.items()
+                  if not (k in _SPECULATIVE_KEYS and (v is None or v is False))}
+        if not _SPECULATIVE_KEYS.isdisjoint(kwargs):
+            from olmoflow.infer.speculative import speculative_generate
+
+            return speculative_generate(self, input_ids, **kwargs)
         from olmoflow.infer.generate import generate
 
         return generate(self, input_ids, **kwargs)

@@ -23,16 +23,28 @@ def run_generate(cfg: RunConfig, progress: bool) -> StageResult:
     model, tok, ckpt = load_trained_model(cfg, stage)
     g = cfg.generate
     samples = []
+    speculative = g.speculative_kwargs()
+    drafted = accepted = 0
     for i, prompt in enumerate(g.prompts):
         # An empty prompt starts a fresh document: the model's context is a document boundary.
         ids = torch.tensor([tok.encode(prompt) or [tok.eos_token_id]])
         out = model.generate(ids, sampling=g.sampling(i), eos_token_id=tok.eos_token_id,
-                             vocab_size=tok.vocab_size)
+                             vocab_size=tok.vocab_size, **speculative)
+        if speculative:
+            out, stats = out
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         samples.append({"prompt": prompt, "completion": tok.decode(out[0, ids.shape[1]:].tolist())})
     out_dir = stage_dir(cfg, GENERATE.name)
     atomic_write_text(out_dir / SAMPLES, "".join(json.dumps(s) + "\n" for s in samples))
+    counts = {"samples": len(samples), "checkpoint": ckpt.name}
+    if speculative:
+        counts.update(draft_tokens=drafted, accepted_draft_tokens=accepted)
+        if progress:
+            rate = f"{accepted / drafted:.1%}" if drafted else "n/a"
+            print(f"[generate] speculative decoding ({g.speculative}): {accepted}/{drafted} "
+                  f"draft tokens accepted ({rate})", flush=True)
     return StageResult(inputs=model_inputs(cfg, ckpt, stage), outputs=[out_dir / SAMPLES],
-                       counts={"samples": len(samples), "checkpoint": ckpt.name})
+                       counts=counts)
 
 
 def show_samples(cfg: RunConfig) -> None:
@@ -52,4 +64,7 @@ GENERATE = Stage(
     flags=(Flag("--prompt", "generate.prompts", "a prompt (repeatable)", repeat=True,
                 forces_rerun=True),
            Flag("--max-new-tokens", "generate.max_new_tokens", "tokens to sample per prompt",
-                type=int)))
+                type=int),
+           Flag("--speculative", "generate.speculative",
+                "speculative decoding: none or prompt_lookup "
+                "(up to generate.num_draft_tokens per step)")))
