@@ -8,11 +8,11 @@ acceptance rate, tokens per model forward, and how many outputs equal plain deco
 token.
 
 Usage:  python benchmarks/speculative.py [--model DIR] [--num-draft-tokens 10] [--new-tokens 128]
-        [--prompt-chars 1200] [--repeats 2] [--threads N]
+        [--prompt-chars 1200] [--repeats 3] [--threads N]
 
-Weights: ``--model`` (a release or Hugging Face directory with its tokenizer), else a randomly
-initialised demo shape (vocab 8192, d_model 256, 4 layers, 4 heads, MLP 768, window 128) over
-byte tokens (id = UTF-8 byte). Times are the best of ``--repeats`` interleaved passes over each
+Weights: ``--model`` (a release or Hugging Face directory, with its tokenizer or, without a
+``tokenizer.json``, over byte tokens), else a randomly initialised demo shape (vocab 8192,
+d_model 256, 4 layers, 4 heads, MLP 768, window 128) over byte tokens (id = UTF-8 byte). Times are the best of ``--repeats`` interleaved passes over each
 set after a warm-up. The last two lines are the headline: the speed ratio on code and the
 acceptance rate.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
+from pathlib import Path
 
 import torch
 
@@ -98,8 +99,10 @@ def main() -> None:
         from olmoflow import Tokenizer
 
         model = Olmo.from_pretrained(args.model).eval()
-        tok = Tokenizer.from_pretrained(args.model)
-        what = args.model
+        # a directory without a tokenizer holds a byte-level model (vocab >= 256)
+        has_tok = (Path(args.model) / "tokenizer.json").is_file()
+        tok = Tokenizer.from_pretrained(args.model) if has_tok else Bytes()
+        what = args.model + ("" if has_tok else ", byte tokens")
     else:
         torch.manual_seed(0)
         model, tok, what = Olmo(DEMO).eval(), Bytes(), "random-init demo shape, byte tokens"
