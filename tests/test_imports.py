@@ -59,9 +59,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     # The model class's transformers-style conveniences delegate to infer/ lazily:
     # Olmo.generate and Olmo.from_pretrained(load_in_8bit=True / quantization=...). generate,
-    # sampling and quantize use nothing above model/: removing these means moving them below
-    # the model class (as transformers' GenerationMixin is), or dropping the two conveniences.
-    ("olmoflow.model.olmo", "olmoflow.infer.generate"): "Olmo.generate",
+    # speculative, sampling and quantize use nothing above model/: removing these means moving
+    # them below the model class (as transformers' GenerationMixin is), or dropping the two
+    # conveniences. Olmo.generate enters through speculative, which calls generate.
+    ("olmoflow.model.olmo", "olmoflow.infer.speculative"): "Olmo.generate",
     ("olmoflow.model.olmo", "olmoflow.infer.quantize"): "Olmo.from_pretrained quantization",
 }
 

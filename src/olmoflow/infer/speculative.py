@@ -50,6 +50,7 @@ from olmoflow.errors import OlmoflowError
 from olmoflow.infer.generate import (
     _hit_stop,
     apply_repetition_penalty,
+    generate,
     resolve_sampling,
     sample_categorical,
     top_k_top_p_filter,
@@ -186,6 +187,22 @@ def check_draft_model(model, draft_model) -> None:
     if vd is None or vt != vd:
         raise OlmoflowError(f"draft model vocabulary ({vd}) differs from the model's ({vt}): a "
                             "draft model must use the same tokenizer")
+
+
+# The generate keywords that select speculative decoding.
+SPECULATIVE_KEYS = frozenset({"prompt_lookup_num_tokens", "max_matching_ngram_size",
+                              "draft_model", "num_draft_tokens", "return_stats"})
+
+
+def generate_or_speculate(model, input_ids: torch.Tensor, **kwargs):
+    """``Olmo.generate``'s body: :func:`speculative_generate` when a keyword of
+    :data:`SPECULATIVE_KEYS` is given (None or False counts as not given), else
+    :func:`olmoflow.infer.generate.generate`. Arguments, results and errors are theirs."""
+    kwargs = {k: v for k, v in kwargs.items()
+              if not (k in SPECULATIVE_KEYS and (v is None or v is False))}
+    if SPECULATIVE_KEYS.isdisjoint(kwargs):
+        return generate(model, input_ids, **kwargs)
+    return speculative_generate(model, input_ids, **kwargs)
 
 
 def speculative_generate(

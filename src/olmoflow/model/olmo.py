@@ -104,11 +104,6 @@ class Block(nn.Module):
         return h + F.dropout(self.feed_forward_norm(m), self.dropout, self.training)
 
 
-# Olmo.generate keywords that select speculative decoding (olmoflow.infer.speculative).
-_SPECULATIVE_KEYS = frozenset({"prompt_lookup_num_tokens", "max_matching_ngram_size",
-                               "draft_model", "num_draft_tokens", "return_stats"})
-
-
 class Olmo(nn.Module):
     """An OLMo 2 / OLMo 3 causal language model.
 
@@ -423,16 +418,9 @@ class Olmo(nn.Module):
         (``transformers``' name; ``max_matching_ngram_size``) or ``draft_model=`` (an Olmo with
         the same vocabulary; ``num_draft_tokens``), ``return_stats=True`` for the acceptance
         counts; the same greedy tokens and the same sampling distribution."""
-        # None/False for a speculative keyword is the same as leaving it out.
-        kwargs = {k: v for k, v in kwargs.items()
-                  if not (k in _SPECULATIVE_KEYS and (v is None or v is False))}
-        if not _SPECULATIVE_KEYS.isdisjoint(kwargs):
-            from olmoflow.infer.speculative import speculative_generate
+        from olmoflow.infer.speculative import generate_or_speculate
 
-            return speculative_generate(self, input_ids, **kwargs)
-        from olmoflow.infer.generate import generate
-
-        return generate(self, input_ids, **kwargs)
+        return generate_or_speculate(self, input_ids, **kwargs)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
                                       ) -> None:
