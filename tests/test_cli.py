@@ -424,3 +424,23 @@ def test_fuzz_the_real_command(tmp_path, release_dir):
             errors = [ln for ln in err.splitlines() if ln.startswith("olmoflow: error: ")]
             assert len(errors) == 1 and err.strip().endswith(errors[0]), (argv, err)
     assert procs[2].returncode == 2 and not (tmp_path / "export").exists()
+
+
+def test_run_dir_without_config_reads_the_runs_own_config(tmp_path, capsys):
+    """``olmoflow VERB --run-dir DIR`` with no CONFIG on a run made with another preset: the
+    run's saved config.yaml, never the demo preset run in its place over the run's record."""
+    data = write_jsonl(tmp_path / "docs.jsonl", [{"text": doc_text(i)} for i in range(12)])
+    run = tmp_path / "run"
+    args = ("--data", str(data), "--run-dir", str(run), "--no-progress")
+    rc, _, err = cli(capsys, "collect", "tiny", *args)
+    assert rc == 0, err
+    saved = (run / "config.yaml").read_text()
+    assert "d_model: 64" in saved  # tiny's model, not the demo's
+    rc, out, err = cli(capsys, "collect", *args)
+    assert rc == 0, err
+    assert status_line(out, "collect").startswith("[collect] skipped"), out
+    assert (run / "config.yaml").read_text() == saved
+    rc, out, err = cli(capsys, "collect", "collect.max_documents=5", *args)
+    assert rc == 0, err
+    assert "documents=5" in status_line(out, "collect")
+    assert "d_model: 64" in (run / "config.yaml").read_text()

@@ -26,8 +26,9 @@ Tool verbs take no run config:
     olmoflow push DIR ORG/NAME [--dry-run]         a release to the Hugging Face Hub, one branch
                                                    per checkpoint (needs the network)
 
-CONFIG is a YAML file or a preset name under configs/ (default: demo), or a run directory (its
-saved config.yaml, with run_dir the directory). Errors in the user's input print one line and exit
+CONFIG is a YAML file or a preset name under configs/, or a run directory (its saved
+config.yaml, with run_dir the directory); without it, the --run-dir's saved config.yaml when that
+directory holds a run, else the demo preset. Errors in the user's input print one line and exit
 with status 2.
 """
 
@@ -50,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("config", nargs="?", default="demo",
-                        help="YAML config file, preset name (default: demo) or run directory")
+        sp.add_argument("config", nargs="?", default=None,
+                        help="YAML config file, preset name or run directory (default: the "
+                        "--run-dir's saved config.yaml when it has one, else demo)")
         sp.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides, e.g. train.max_steps=200")
         sp.add_argument("--data", action="append", metavar="PATH",
@@ -342,6 +344,20 @@ def _split_config_arg(args: argparse.Namespace) -> None:
     """``olmoflow run train.max_steps=5`` means the default preset with an override."""
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)
+        args.config = None
+
+
+def _default_config(args: argparse.Namespace) -> None:
+    """No CONFIG given: ``--run-dir DIR`` of an existing run stands for the config DIR was made
+    with (its ``config.yaml``), as ``olmoflow VERB DIR`` does, so a verb run on it later neither
+    runs it under another preset nor overwrites its config.yaml with one; otherwise ``demo``."""
+    from olmoflow.run_dir import RunDir
+
+    if args.config is not None:
+        return
+    if args.run_dir and RunDir(args.run_dir).config.is_file():
+        args.config = str(RunDir(args.run_dir).config)
+    else:
         args.config = "demo"
 
 
@@ -422,6 +438,7 @@ def _run_pipeline_verb(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides += rest
     _split_config_arg(args)
+    _default_config(args)
     from olmoflow.pipeline.config import load_config
     from olmoflow.pipeline.runner import run_pipeline
 
