@@ -163,6 +163,7 @@ def test_config_errors():
         from_dict(DecontamConfig, {"action": "dorp"}, "decontaminate.")
     with pytest.raises(OlmoflowError, match="did you mean 'decontaminate.ngram'"):
         from_dict(DecontamConfig, {"ngrams": 13}, "decontaminate.")
-    with pytest.raises(OlmoflowError, match="eval set 'gsm8k': no such file"):
+    with pytest.raises(OlmoflowError, match="eval set 'gsm8k': no such file .* \\(set "
+                       "decontaminate.eval_dir .* it is '/nonexistent'"):
         list(from_dict(DecontamConfig, {"evals": ["gsm8k"], "eval_dir": "/nonexistent"})
              .eval_items("gsm8k"))

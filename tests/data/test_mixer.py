@@ -177,7 +177,7 @@ def test_per_shard_limits_split_into_parts(tmp_path):
 
 def test_unknown_names_are_one_line_errors_with_the_closest(tmp_path):
     make_run(tmp_path, corpus(4))
-    with pytest.raises(OlmoflowError, match=r"mix.exclude\[0\]: unknown attribute 't__qualty'; "
+    with pytest.raises(OlmoflowError, match=r"mixer\.exclude\[0\]: unknown attribute 't__qualty'; "
                                             r"did you mean 't__quality'\?") as e:
         mix(tmp_path, {"attributes": ["tags"], "exclude": ["t__qualty < 0.5"]})
     assert "\n" not in str(e.value)

@@ -238,8 +238,10 @@ class DecontamConfig:
         try:
             yield from BUILTIN_EVALS[name](Path(self.eval_dir))
         except FileNotFoundError as e:
-            raise OlmoflowError(f"eval set '{name}': no such file '{e.filename}' (set decontam."
-                                "eval_dir to the folder that holds the eval data)") from None
+            raise OlmoflowError(f"eval set '{name}': no such file '{e.filename}' (set "
+                                "decontaminate.eval_dir to the folder that holds the eval data; "
+                                f"it is '{self.eval_dir}', relative to the current directory "
+                                "unless absolute)") from None
 
     def eval_files(self) -> list[str]:
         root = Path(self.eval_dir)

@@ -448,10 +448,10 @@ def attribute_names(data_dir: str | os.PathLike, attribute_set: str, shards: lis
 
 
 def _check_names(cfg: MixConfig, data_dir: Path, shards: list[str]) -> None:
-    used = [(f"mix.include[{i}]", r.attribute) for i, r in enumerate(cfg.include)]
-    used += [(f"mix.exclude[{i}]", r.attribute) for i, r in enumerate(cfg.exclude)]
-    used += [("mix.replace", a) for a in cfg.replace]
-    used += [("mix.remove_spans", a) for a in cfg.remove_spans]
+    used = [(f"mixer.include[{i}]", r.attribute) for i, r in enumerate(cfg.include)]
+    used += [(f"mixer.exclude[{i}]", r.attribute) for i, r in enumerate(cfg.exclude)]
+    used += [("mixer.replace", a) for a in cfg.replace]
+    used += [("mixer.remove_spans", a) for a in cfg.remove_spans]
     names: set[str] = set()
     for aset in cfg.attributes:
         names |= attribute_names(data_dir, aset, shards)
@@ -519,7 +519,7 @@ def mix(
     for src in cfg.weights:
         if src not in sources:
             err = unknown_name_error("source", src, sources)
-            raise OlmoflowError(f"mix.weights: {err.args[0]}")
+            raise OlmoflowError(f"mixer.weights: {err.args[0]}")
     _check_names(cfg, data_dir, shards)
     out_dir = data_dir / MIXED_DIR
     tasks = [{
