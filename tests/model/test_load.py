@@ -227,3 +227,19 @@ def test_the_lm_eval_adapter_takes_every_form(run):
     assert scores[0] == scores[1]  # the same weights through the same code path
     with pytest.raises(OlmoflowError, match="no config.json"):
         adapter.OlmoflowLMEval(pretrained=str(run.root / "tokenizer"))
+
+
+def test_loading_a_step_alone_warns_nothing(run):
+    """A step checkpoint read by one process (export, diagnose, eval of a step) is a supported
+    torch.distributed.checkpoint mode: the reader prints no warning about a missing process
+    group (a fresh interpreter, so no filter installed by training code hides one)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from olmoflow.model.load import load_model; "
+            "print(load_model(sys.argv[1]).kind)")
+    p = subprocess.run([sys.executable, "-c", code, str(run.step)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "step"
+    assert "torch.distributed is disabled" not in p.stderr, p.stderr

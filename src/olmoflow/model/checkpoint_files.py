@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ CHECKSUMS = "checksums.json"
 CHECKSUMS_FORMAT = 1
 
 log = logging.getLogger(__name__)
+
+# One process without init_process_group is a supported dcp mode (every reader of a step
+# checkpoint: export, diagnose, evaluation), not a problem to warn about.
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _other_checkpoint_hint(path: Path) -> str:

@@ -33,7 +33,6 @@ import pickle
 import random
 import re
 import shutil
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -69,10 +68,6 @@ from olmoflow.train.checkpoint_verify import verify_checkpoint
 LATEST = "latest"
 INDEX = "checkpoints.csv"
 INDEX_FIELDS = ("step", "tokens", "name", "loss", "saved_at", "status")
-
-# One process without init_process_group is a supported dcp mode, not a problem to warn about.
-warnings.filterwarnings("ignore",
-                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 log = logging.getLogger(__name__)
 
