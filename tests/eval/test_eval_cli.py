@@ -163,3 +163,14 @@ def test_out_that_is_a_folder_fails_before_scoring(tmp_path):
                               batch_size=1, max_length=None, tokenizer=None, out=str(tmp_path))
     with pytest.raises(OlmoflowError, match="--out .* is a directory"):
         eval_run(args)
+
+
+def test_a_data_dir_that_is_not_a_folder_is_an_error(capsys, tmp_path):
+    """A mistyped --data-dir is named, not passed over for the data the package installs."""
+    missing = tmp_path / "no-such-dir"
+    rc, out, err = cli(capsys, "eval", "run", "--model", str(tmp_path), "--tasks", "copa",
+                       "--data-dir", str(missing))
+    assert_one_line_error(rc, err, "--data-dir", str(missing), "no such directory")
+    assert out == ""
+    rc, out, err = cli(capsys, "eval", "info", "copa", "--data-dir", str(missing))
+    assert_one_line_error(rc, err, "--data-dir", str(missing), "no such directory")

@@ -107,6 +107,17 @@ _INFO_ATTRS = (("formulation", None, "formulation"), ("num_shots", "default_shot
                ("split", "default_split", "split"))
 
 
+def _data_dir(data_dir: str | None) -> Path | None:
+    """``--data-dir`` as a Path; a path that is not a folder is an error rather than a source
+    silently passed over for the data that installs with the package."""
+    if data_dir is None:
+        return None
+    if not Path(data_dir).is_dir():
+        raise OlmoflowError(f"--data-dir {data_dir}: no such directory (give the folder that "
+                            "holds the datasets, laid out like ../shared/data)")
+    return Path(data_dir)
+
+
 def task_info(spec: str, data_dir: str | None = None) -> str:
     """The text of ``olmoflow eval info SPEC`` (a task name, or a spec such as
     ``arc_easy:split=validation`` to show another split or formulation).
@@ -121,7 +132,7 @@ def task_info(spec: str, data_dir: str | None = None) -> str:
     parsed = parse_spec(spec)
     name = parsed.name
     cls = task_class(name)
-    defaults = EvalSettings(limit=1, data_dir=Path(data_dir) if data_dir else None)
+    defaults = EvalSettings(limit=1, data_dir=_data_dir(data_dir))
     settings = parsed.settings(defaults)
     try:
         t = cls(settings)
@@ -195,8 +206,8 @@ def score_model_dir(model: str | Path, specs: list[str], *, limit: int | None = 
     for key, v in (("--limit", limit), ("--batch-size", batch_size), ("--max-length", max_length)):
         if v is not None and v < 1:
             raise OlmoflowError(f"{key}={v} must be >= 1")
-    defaults = EvalSettings(limit=limit, data_dir=Path(data_dir) if data_dir else None,
-                            strict=strict, allow_network=allow_network)
+    defaults = EvalSettings(limit=limit, data_dir=_data_dir(data_dir), strict=strict,
+                            allow_network=allow_network)
     resolved = resolve(specs, defaults)  # bad specs fail before the model loads
     if not resolved:
         raise OlmoflowError(f"--tasks {' '.join(map(repr, specs))} names no task; give task "
