@@ -285,3 +285,26 @@ def test_fuzz_tokenizer_json(tmp_path, tokenizer_dir):
 
         found.outcome(case, f"op {op} in {d}", load_and_use)
     found.check()
+
+
+def test_a_chat_template_of_the_wrong_type_is_an_error(tok, tmp_path, caplog):
+    """``tokenizer_config.json``'s ``chat_template``: a string, or transformers' list of named
+    templates whose ``default`` is used; anything else is named, never silently dropped."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(tok.backend.to_str())
+    cfg = d / "tokenizer_config.json"
+    for value, fragment in ((42, "chat_template=42 must be a Jinja string"),
+                            ([1, 2], "chat_template[0]=1 is not"),
+                            ([{"name": "default", "template": 3}], "chat_template[0]=")):
+        cfg.write_text(json.dumps({"chat_template": value}))
+        with pytest.raises(OlmoflowError, match=r"tokenizer_config\.json: ") as e:
+            Tokenizer.from_pretrained(d)
+        assert fragment in str(e.value) and "\n" not in str(e.value)
+    cfg.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"}]}))
+    with caplog.at_level("WARNING"):
+        assert Tokenizer.from_pretrained(d).chat_template is None
+    assert "'tool_use' but no 'default'" in caplog.text
+    cfg.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                 {"name": "default", "template": "{{ 1 }}"}]}))
+    assert Tokenizer.from_pretrained(d).chat_template == "{{ 1 }}"

@@ -422,9 +422,23 @@ def _read_chat_template(d: Path, config: dict[str, Any]) -> str | None:
         except (OSError, UnicodeDecodeError) as e:
             raise OlmoflowError(f"cannot read {f}: {e}") from None
     value = config.get("chat_template")
-    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    where = d / CONFIG_FILE
+    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...], as transformers saves
+        named = {}
+        for i, t in enumerate(value):
+            if not (isinstance(t, dict) and isinstance(t.get("name"), str)
+                    and isinstance(t.get("template"), str)):
+                raise OlmoflowError(f"{where}: chat_template[{i}]={_short(t)} is not a "
+                                    "{\"name\": ..., \"template\": ...} entry of strings")
+            named[t["name"]] = t["template"]
+        if "default" not in named:
+            # transformers refuses such a template list unless told which one to use
+            log.warning("%s: chat_template names %s but no 'default'; no chat template is used",
+                        where, ", ".join(map(repr, named)) or "no template")
         value = named.get("default")
+    elif value is not None and not isinstance(value, str):
+        raise OlmoflowError(f"{where}: chat_template={_short(value)} must be a Jinja string or "
+                            "a list of {\"name\": ..., \"template\": ...} entries")
     return value if isinstance(value, str) and value else None
 
 
