@@ -208,6 +208,13 @@ def test_yaml_values_users_write(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(OlmoflowError, match="top level must be a mapping"):
         load_config(str(bad))
+    for text, kind in (("[]\n", "list"), ("0\n", "int"), ("false\n", "bool"), ("''\n", "str")):
+        bad.write_text(text)  # falsy, but still not a mapping of sections
+        with pytest.raises(OlmoflowError, match=f"top level must be a mapping of sections, got "
+                                                f"a {kind}"):
+            load_config(str(bad))
+    bad.write_text("# only a comment\n")
+    assert load_config(str(bad)).train.max_steps == load_config(None).train.max_steps
 
 
 # --- seeded fuzzing (tests/fuzzing.py): run configs and overrides ---------------------------------

@@ -362,7 +362,9 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     text = ""
     try:
         text = Path(path).read_text()
-        tree = yaml.safe_load(text) or {}
+        tree = yaml.safe_load(text)
+        if tree is None:  # an empty file (or only comments); `[]`, `0`, `false` are not mappings
+            tree = {}
     except yaml.reader.ReaderError as e:  # a control character: no mark, a character position
         line = text.count("\n", 0, e.position) + 1
         raise OlmoflowError(f"{path}:{line}: invalid YAML (character {e.character!r}: "
