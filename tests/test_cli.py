@@ -444,3 +444,17 @@ def test_run_dir_without_config_reads_the_runs_own_config(tmp_path, capsys):
     assert rc == 0, err
     assert "documents=5" in status_line(out, "collect")
     assert "d_model: 64" in (run / "config.yaml").read_text()
+
+
+def test_a_release_given_as_the_run_is_named(tmp_path, capsys):
+    """``olmoflow generate RELEASE``: a release holds a config.yaml too, but it is not a run; the
+    error says so and names the run it came from, not "not empty and not olmoflow's"."""
+    release = tmp_path / "run" / "release"
+    release.mkdir(parents=True)
+    for name in ("config.yaml", "config.json", "files.json"):
+        (release / name).write_text("{}\n")
+    rc, _, err = cli(capsys, "generate", str(release), "--no-progress")
+    assert_one_line_error(rc, err, "is a release or model directory, not a run directory",
+                          str(tmp_path / "run"))
+    assert sorted(p.name for p in release.iterdir()) == ["config.json", "config.yaml",
+                                                          "files.json"]

@@ -367,11 +367,14 @@ def _run_directory_config(args: argparse.Namespace, values: dict) -> None:
     from pathlib import Path
 
     from olmoflow.config import resolve_preset
-    from olmoflow.run_dir import RunDir
+    from olmoflow.run_dir import RUN_MARKER, RunDir, require_run_dir
 
     p = Path(args.config)
     if not p.is_dir():
         return
+    if not (p / RUN_MARKER).is_file() and any((p / f).is_file()
+                                              for f in ("files.json", "config.json")):
+        require_run_dir(p)  # a release or model directory: the message names its run
     if not RunDir(p).config.is_file():
         try:  # a folder that happens to share a preset's name leaves the preset meant
             resolve_preset(args.config)
