@@ -169,10 +169,17 @@ def iter_tokens(
                         tokenizer, vocab_size, compile)
 
 
-def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token_id,
-                 pad_token_id, tokenizer, vocab_size, compile,
-                 lengths: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    B, T = input_ids.shape
+def decode_settings(input_ids, sp: SamplingParams, attention_mask, eos_token_id, pad_token_id,
+                    tokenizer, vocab_size) -> tuple[int | None, int | None, list[str], int | None]:
+    """The ``(eos_token_id, fill, stops, vocab_size)`` a decode loop over ``input_ids [B, T]``
+    runs with: the tokenizer's EOS, pad and vocabulary size where not given, the id that fills
+    finished rows (pad, else EOS) and the stop strings.
+
+    Raises:
+        ValueError: stop strings without a tokenizer, or on a batch without a fill id; an
+            ``attention_mask`` whose shape is not ``input_ids``'.
+    """
+    B = input_ids.shape[0]
     if tokenizer is not None:  # a tokenizer knows its EOS and pad ids
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -190,6 +197,52 @@ def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token
                          f"{tuple(input_ids.shape)}")
     if vocab_size is None and tokenizer is not None and hasattr(tokenizer, "vocab_size"):
         vocab_size = tokenizer.vocab_size
+    return eos_token_id, fill, stops, vocab_size
+
+
+class RowEnds:
+    """Which rows of a decoding batch have ended (EOS or a completed stop string), the one rule
+    every decode loop applies to each new position's tokens.
+
+    ``done`` is ``[B]`` bool; ``lengths`` (``[B]`` long, when given) gets each row's count of new
+    tokens up to and including the one that ended it, ``n_new`` for a row that never ends.
+    """
+
+    def __init__(self, B: int, device, n_new: int, eos_token_id, fill, stops, tokenizer,
+                 lengths: torch.Tensor | None = None):
+        self.eos_token_id, self.fill, self.stops = eos_token_id, fill, stops
+        self.tokenizer, self.lengths = tokenizer, lengths
+        if lengths is not None:
+            lengths.fill_(n_new)
+        self.window = max((len(s.encode()) for s in stops), default=0) + 2  # tokens; each >= 1 byte
+        self.generated: list[list[int]] = [[] for _ in range(B)]
+        self.check = eos_token_id is not None or bool(stops)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def mark(self, nxt: torch.Tensor, i: int) -> tuple[torch.Tensor, bool]:
+        """Take new position ``i``'s tokens ``nxt [B]``: returns the tokens to write (``fill`` for
+        a row that had already ended) and whether every row has ended."""
+        if not self.check:
+            return nxt, False
+        done = self.done
+        if self.fill is not None:
+            nxt = torch.where(done, torch.full_like(nxt, self.fill), nxt)
+        before = done.clone() if self.lengths is not None else None
+        if self.eos_token_id is not None:
+            done.logical_or_(nxt == self.eos_token_id)
+        if self.stops:
+            done.logical_or_(_hit_stop(nxt, done, self.generated, self.stops, self.window,
+                                       self.tokenizer))
+        if before is not None:
+            self.lengths[(done & ~before).to(self.lengths.device)] = i + 1
+        return nxt, bool(done.all())
+
+
+def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token_id,
+                 pad_token_id, tokenizer, vocab_size, compile,
+                 lengths: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    eos_token_id, fill, stops, vocab_size = decode_settings(
+        input_ids, sp, attention_mask, eos_token_id, pad_token_id, tokenizer, vocab_size)
     return _decode(model, input_ids, sp.max_new_tokens, attention_mask, sp.do_sample,
                    sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty, eos_token_id, fill,
                    stops, tokenizer, sp.seed, vocab_size, _compiled_decoder(model, compile),
@@ -199,24 +252,18 @@ def _iter_tokens(model, input_ids, sp: SamplingParams, attention_mask, eos_token
 def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top_k, top_p,
             penalty, eos_token_id, fill, stops, tokenizer, seed, vocab_size,
             compiled, lengths=None) -> Iterator[torch.Tensor]:
-    # lengths [B], when given: filled with each row's count of new tokens up to and including
-    # the one that ended it (EOS or a completed stop string), n_new for a row that never ended
-    if lengths is not None:
-        lengths.fill_(n_new)
-    if n_new == 0:
-        return
     B, T = input_ids.shape
     device = input_ids.device
+    # lengths [B], when given: see RowEnds
+    ends = RowEnds(B, device, n_new, eos_token_id, fill, stops, tokenizer, lengths)
+    if n_new == 0:
+        return
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     # The prompt's mask goes to the prefill only (the cache keeps it); None when nothing is
     # padded, which lets the model skip positions-from-mask and padding masks altogether.
     prompt_mask = None
     if attention_mask is not None and not bool(attention_mask.all()):
         prompt_mask = attention_mask.bool()
-    stop_window = max((len(s.encode()) for s in stops), default=0) + 2  # tokens; each >= 1 byte
-    generated: list[list[int]] = [[] for _ in range(B)]
-    check_done = eos_token_id is not None or bool(stops)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None
     was_training = model.training
     cache = None
@@ -250,18 +297,7 @@ def _decode(model, input_ids, n_new, attention_mask, do_sample, temperature, top
             logits = apply_repetition_penalty(logits, seen, penalty)
         nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
                           top_p=top_p, generator=generator)
-        if not check_done:
-            return nxt, False
-        if fill is not None:
-            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-        before = done.clone() if lengths is not None else None
-        if eos_token_id is not None:
-            done.logical_or_(nxt == eos_token_id)
-        if stops:
-            done.logical_or_(_hit_stop(nxt, done, generated, stops, stop_window, tokenizer))
-        if before is not None:
-            lengths[(done & ~before).to(lengths.device)] = i + 1
-        return nxt, bool(done.all())
+        return ends.mark(nxt, i)
 
     model.eval()
     try:

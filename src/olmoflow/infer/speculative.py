@@ -48,8 +48,9 @@ import torch
 
 from olmoflow.errors import OlmoflowError
 from olmoflow.infer.generate import (
-    _hit_stop,
+    RowEnds,
     apply_repetition_penalty,
+    decode_settings,
     generate,
     resolve_sampling,
     sample_categorical,
@@ -280,23 +281,8 @@ def speculative_generate(
     if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
         raise ValueError(f"max_matching_ngram_size must be an integer >= 1, got {ngram!r}")
 
-    if tokenizer is not None:  # a tokenizer knows its EOS and pad ids (as generate)
-        if eos_token_id is None:
-            eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = getattr(tokenizer, "pad_token_id", None)
-    stops = list(sp.stop)
-    if stops and tokenizer is None:
-        raise ValueError("stop_strings need tokenizer= to decode the continuation")
-    fill = pad_token_id if pad_token_id is not None else eos_token_id
-    if stops and B > 1 and fill is None:
-        raise ValueError("stop_strings on a batch need pad_token_id (or eos_token_id) to fill rows "
-                         "that stopped")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
-                         f"{tuple(input_ids.shape)}")
-    if vocab_size is None and tokenizer is not None and hasattr(tokenizer, "vocab_size"):
-        vocab_size = tokenizer.vocab_size
+    eos_token_id, fill, stops, vocab_size = decode_settings(
+        input_ids, sp, attention_mask, eos_token_id, pad_token_id, tokenizer, vocab_size)
 
     stats = SpeculativeStats()
     lengths = torch.empty(B, dtype=torch.long) if return_lengths else None
@@ -329,12 +315,11 @@ def _speculative_decode(model, input_ids, out, sp: SamplingParams, attention_mas
     position's ``[B]`` tokens, as ``generate``'s decode loop does (the same EOS, fill, stop-string
     and ``lengths`` rules)."""
     n_new = sp.max_new_tokens
-    if lengths is not None:
-        lengths.fill_(n_new)
-    if n_new == 0:
-        return
     B, T = input_ids.shape
     device = input_ids.device
+    ends = RowEnds(B, device, n_new, eos_token_id, fill, stops, tokenizer, lengths)
+    if n_new == 0:
+        return
     generator = (torch.Generator(device=device).manual_seed(sp.seed) if sp.seed is not None
                  else None)
     prompt_mask = None
@@ -343,10 +328,7 @@ def _speculative_decode(model, input_ids, out, sp: SamplingParams, attention_mas
     # Rows' own tokens for prompt lookup: the real ones (left pads excluded).
     starts = ([0] * B if prompt_mask is None
               else (~prompt_mask).sum(-1).tolist())
-    stop_window = max((len(s.encode()) for s in stops), default=0) + 2
-    generated: list[list[int]] = [[] for _ in range(B)]
-    check_done = eos_token_id is not None or bool(stops)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done = ends.done
     pad_draft = fill if fill is not None else 0
     penalty = sp.repetition_penalty
     seen = None
@@ -361,22 +343,6 @@ def _speculative_decode(model, input_ids, out, sp: SamplingParams, attention_mas
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits[..., vocab_size:] = float("-inf")
         return logits
-
-    def emit(nxt: torch.Tensor, i: int) -> tuple[torch.Tensor, bool]:
-        # generate's bookkeeping for the token at new position i: the token to write (fill for a
-        # finished row) and whether every row is done
-        if not check_done:
-            return nxt, False
-        if fill is not None:
-            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-        before = done.clone() if lengths is not None else None
-        if eos_token_id is not None:
-            done.logical_or_(nxt == eos_token_id)
-        if stops:
-            done.logical_or_(_hit_stop(nxt, done, generated, stops, stop_window, tokenizer))
-        if before is not None:
-            lengths[(done & ~before).to(lengths.device)] = i + 1
-        return nxt, bool(done.all())
 
     model.eval()
     draft_was_training = draft_model.training if draft_model is not None else False
@@ -399,7 +365,7 @@ def _speculative_decode(model, input_ids, out, sp: SamplingParams, attention_mas
                 nxt = sample_categorical(_probs(logits, sp), generator)
             else:
                 nxt = logits.max(-1).indices
-        nxt, all_done = emit(nxt, 0)
+        nxt, all_done = ends.mark(nxt, 0)
         out[:, T] = nxt
         pos = T + 1  # tokens written to out; the cache holds pos - 1 of them
         k_now = k  # drafts asked for this block
@@ -415,7 +381,7 @@ def _speculative_decode(model, input_ids, out, sp: SamplingParams, attention_mas
                 i = pos - T
                 if seen is not None:  # the plain loop marks a token seen once it is fed
                     seen.scatter_(1, out[:, pos - 1: pos], True)
-                tok, all_done = emit(tok, i)
+                tok, all_done = ends.mark(tok, i)
                 out[:, pos] = tok
                 pos += 1
                 yield out[:, pos - 1].clone()
