@@ -29,3 +29,20 @@ def engine_config(tmp: Path, extra: str = "", steps: str = "[ingest]",
     cfg.write_text(f"output: {tmp / 'run'}\nexecutor: serial\nsteps: {steps}\n"
                    f"sources: [{{name: web, paths: {paths}}}]\ntaggers: [pii]\n{extra}")
     return cfg
+
+
+def shouting_plugin(name: str) -> str:
+    """The source of a plugin file registering tagger ``name``: one span per document scoring the
+    share of its letters that are upper case (attribute ``<name>__upper_fraction``)."""
+    return f'''
+from olmoflow.data.taggers import Tagger, register_tagger
+
+
+@register_tagger("{name}")
+class Shouting(Tagger):
+    def tag(self, doc):
+        text = doc["text"]
+        letters = [c for c in text if c.isalpha()]
+        frac = sum(c.isupper() for c in letters) / max(len(letters), 1)
+        return {{self.attr("upper_fraction"): [[0, len(text), frac]]}}
+'''

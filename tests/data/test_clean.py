@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_inputs import shouting_plugin
 
 from olmoflow.config import from_dict
 from olmoflow.data.clean import clean
@@ -109,18 +110,7 @@ def test_collect_then_clean_real_data(tmp_path):
     assert len(set(texts)) == len(texts)
 
 
-SHOUTING_CLEAN = '''
-from olmoflow.data.taggers import Tagger, register_tagger
-
-
-@register_tagger("shouting_clean")
-class Shouting(Tagger):
-    def tag(self, doc):
-        text = doc["text"]
-        letters = [c for c in text if c.isalpha()]
-        frac = sum(c.isupper() for c in letters) / max(len(letters), 1)
-        return {self.attr("upper_fraction"): [[0, len(text), frac]]}
-'''
+SHOUTING_CLEAN = shouting_plugin("shouting_clean")
 
 
 def test_a_tagger_registered_once_filters_both_the_engine_and_olmoflow_run(tmp_path, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_inputs import engine_config, jsonl
+from engine_inputs import engine_config, jsonl, shouting_plugin
 
 from olmoflow.data.documents import write_documents
 from olmoflow.data.engine import Engine, load_data_config
@@ -229,18 +229,7 @@ def test_train_quality_verb_reports_heldout_accuracy(tmp_path, capsys):
     assert "did you mean 'epoch'" in capsys.readouterr().err
 
 
-SHOUTING = '''
-from olmoflow.data.taggers import Tagger, register_tagger
-
-
-@register_tagger("shouting")
-class Shouting(Tagger):
-    def tag(self, doc):
-        text = doc["text"]
-        letters = [c for c in text if c.isalpha()]
-        frac = sum(c.isupper() for c in letters) / max(len(letters), 1)
-        return {self.attr("upper_fraction"): [[0, len(text), frac]]}
-'''
+SHOUTING = shouting_plugin("shouting")
 
 
 def test_a_user_tagger_from_a_plugin_file_runs_in_the_workers(tmp_path):
